@@ -1,0 +1,221 @@
+"""Shared helpers for the benchmarks: timing, percentiles, tree filling, tables, JSON.
+
+Each benchmark is one module (``python -m bench.NAME``); this module holds what they share.
+Timings use ``time.perf_counter_ns``; every timed loop is preceded by ``gc.collect()`` and a
+warm-up, and runs with the cyclic GC paused (as ``timeit`` does) unless ``--keep-gc``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VOCAB = 32_000
+
+
+# --------------------------------------------------------------------------- timing
+
+def percentiles_ms(samples_ns: Sequence[int]) -> dict[str, float]:
+    """p50/p90/p99/min/mean of nanosecond samples, in milliseconds."""
+    a = np.asarray(samples_ns, dtype=np.float64) / 1e6
+    return {
+        "p50_ms": float(np.percentile(a, 50)),
+        "p90_ms": float(np.percentile(a, 90)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "min_ms": float(a.min()),
+        "mean_ms": float(a.mean()),
+        "reps": int(a.size),
+    }
+
+
+def time_calls(fn: Callable[[], Any], reps: int, warmup: int, keep_gc: bool = False,
+               max_seconds: float | None = None) -> dict[str, float]:
+    """Call ``fn`` ``warmup`` times, then time ``reps`` calls one by one.
+
+    Stops early (with at least 20 samples) once ``max_seconds`` of timed work has run, so a
+    slow implementation cannot blow the time budget.
+    """
+    for _ in range(warmup):
+        fn()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    if not keep_gc:
+        gc.disable()
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+    deadline = None if max_seconds is None else clock() + int(max_seconds * 1e9)
+    try:
+        for i in range(reps):
+            t0 = clock()
+            fn()
+            t1 = clock()
+            samples.append(t1 - t0)
+            if deadline is not None and i >= 20 and t1 > deadline:
+                break
+    finally:
+        if was_enabled:
+            gc.enable()
+    return percentiles_ms(samples)
+
+
+# --------------------------------------------------------------------------- tokens
+
+def random_tokens(rng: np.random.Generator, n: int) -> list[int]:
+    """``n`` uniform random token ids from a 32k vocabulary, as a Python list."""
+    return rng.integers(0, VOCAB, size=n, dtype=np.int64).tolist()
+
+
+# --------------------------------------------------------------------------- tree filling
+
+def cache_sequence(mgr: Any, tokens: list[int], scope: Any = None) -> int:
+    """Create a cache on ``tokens``, commit all of them, close it. Returns reused tokens.
+
+    Committed full blocks (and, with partial reuse, the last partial block) stay cached.
+    """
+    cache = mgr.create_kv_cache(tokens, scope=scope)
+    try:
+        reused = cache.num_reused_tokens
+        if not cache.resize(len(tokens)):
+            raise RuntimeError(
+                f"resize({len(tokens)}) failed: pool too small "
+                f"(stats: {mgr.stats()!r}); raise num_pages")
+        cache.commit(tokens[reused:])
+    finally:
+        cache.close()
+    return reused
+
+
+class Filler:
+    """Adds distinct random sequences to a manager's tree until it holds a target number of
+    cached blocks, printing progress for long fills.
+
+    Each sequence is ``seq_blocks`` full blocks of fresh random tokens; with
+    ``shared_prefix`` set, a fraction ``shared_frac`` of them start with that prefix (a
+    "system prompt" many requests share), so the prefix's last node gets many children.
+    """
+
+    def __init__(self, mgr: Any, tpb: int, seq_blocks: int = 64, seed: int = 1,
+                 shared_prefix: list[int] | None = None, shared_frac: float = 0.0,
+                 chunk: int = 256) -> None:
+        self.mgr, self.tpb, self.seq_blocks = mgr, tpb, seq_blocks
+        self.rng = np.random.default_rng(seed)
+        self.shared_prefix = shared_prefix or []
+        self.shared_frac = shared_frac if shared_prefix else 0.0
+        if self.shared_prefix and len(self.shared_prefix) % tpb:
+            raise ValueError("shared_prefix must be whole blocks")
+        self.chunk = chunk
+        self.sequences = 0
+        self.seconds = 0.0
+
+    def blocks(self) -> int:
+        return self.mgr.stats().cached_pages
+
+    def fill_to(self, target_blocks: int, label: str = "") -> dict[str, float]:
+        """Fill until ``stats().cached_pages >= target_blocks``; returns timing info."""
+        n_tok = self.seq_blocks * self.tpb
+        shared_len = len(self.shared_prefix)
+        t0 = time.perf_counter()
+        last_print = t0
+        start_blocks = have = self.blocks()
+        added_seqs = 0
+        while have < target_blocks:
+            batch = self.rng.integers(0, VOCAB, size=(self.chunk, n_tok), dtype=np.int64)
+            shared = self.rng.random(self.chunk) < self.shared_frac
+            for row, use_shared in zip(batch, shared):
+                toks = row.tolist()
+                if use_shared:
+                    toks[:shared_len] = self.shared_prefix
+                cache_sequence(self.mgr, toks)
+                added_seqs += 1
+                have += self.seq_blocks - (shared_len // self.tpb if use_shared else 0)
+                if have >= target_blocks:
+                    break
+            have = self.blocks()
+            now = time.perf_counter()
+            if now - last_print > 5.0:
+                rate = (have - start_blocks) / (now - t0)
+                eta = (target_blocks - have) / rate if rate > 0 else float("nan")
+                print(f"  fill{label}: {have:,}/{target_blocks:,} blocks "
+                      f"({rate:,.0f} blocks/s, ~{eta:.0f}s left)", flush=True)
+                last_print = now
+        dt = time.perf_counter() - t0
+        self.sequences += added_seqs
+        self.seconds += dt
+        gc.collect()
+        return {"fill_seconds": dt, "blocks_added": have - start_blocks,
+                "sequences_added": added_seqs,
+                "blocks_per_s": (have - start_blocks) / dt if dt > 0 else float("nan")}
+
+
+# --------------------------------------------------------------------------- output
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            if v != v:
+                return "-"
+            if abs(v) >= 1e6:
+                return f"{v:,.3g}"
+            if abs(v) >= 100:
+                return f"{v:,.0f}"
+            if abs(v) >= 1:
+                return f"{v:.3f}"
+            return f"{v:.4f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths)))
+    print(line)
+    print("-" * len(line))
+    for r in cells:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def environment() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "python": sys.version.split()[0],
+        "implementation": platform.python_implementation(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_end": load,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_result(name: str, payload: dict[str, Any], out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "environment": environment(), **payload}
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    print(f"\nwrote {path}")
+    return path
+
+
+def add_common_args(parser: Any, gc_paused_by_default: bool = True) -> None:
+    parser.add_argument("--quick", action="store_true", help="small, fast smoke run")
+    parser.add_argument("--seed", type=int, default=0)
+    if gc_paused_by_default:
+        parser.add_argument("--keep-gc", action="store_true",
+                            help="leave the cyclic GC running inside timed loops")
+    else:
+        parser.add_argument("--pause-gc", dest="keep_gc", action="store_false",
+                            help="pause the cyclic GC inside timed loops")
+    parser.add_argument("--no-write", action="store_true", help="do not write the JSON result")
+    parser.add_argument("--out", default=None, help="JSON result path (default bench/results/NAME.json)")
