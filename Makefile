@@ -1,0 +1,31 @@
+# Everything runs from a project-local virtual environment (.venv).
+# torch is pinned to the CPU build first so that pip never pulls a multi-GB CUDA build;
+# on a GPU machine install the CUDA torch wheel into .venv before `make setup`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: setup run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) -m kvcache.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m bench.kvcache_probe
+	$(PY) -m bench.kvcache_scaling
+	$(PY) -m bench.kvcache_cycles
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

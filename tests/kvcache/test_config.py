@@ -1,0 +1,57 @@
+import pytest
+
+from kvcache import (CacheConfig, FullAttention, KVCacheManager, Recurrent, ReuseScope,
+                     SlidingWindow)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tokens_per_block=0), "tokens_per_block must be an int >= 1"),
+        (dict(num_pages=0), "num_pages must be an int >= 1"),
+        (dict(life_cycles=()), "at least one life cycle"),
+        (dict(life_cycles=(FullAttention(), FullAttention())), "the same life cycle twice"),
+        (dict(life_cycles=(Recurrent(), FullAttention(), Recurrent())), "the same life cycle"),
+        (dict(life_cycles=("full",)), "life_cycles entries must be"),
+    ],
+)
+def test_bad_config_says_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**kwargs)
+
+
+@pytest.mark.parametrize("window, sink", [(0, 0), (8, -1)])
+def test_bad_sliding_window(window, sink):
+    with pytest.raises(ValueError, match="SlidingWindow"):
+        SlidingWindow(window=window, sink_tokens=sink)
+
+
+def test_sink_blocks_round_up():
+    cfg = CacheConfig(tokens_per_block=32)
+    assert [cfg.sink_blocks(SlidingWindow(64, s)) for s in (0, 1, 32, 33)] == [0, 1, 1, 2]
+
+
+@pytest.mark.parametrize("tokens, message", [
+    ([1, -1], r"in \[0, 2\*\*32\), got -1"),
+    ([2**32], r"got 4294967296"),
+    ([1, "a"], "must be ints"),
+    ([1.5], "must be ints"),
+])
+def test_bad_tokens_raise_value_error(tokens, message):
+    mgr = KVCacheManager(CacheConfig())
+    with pytest.raises(ValueError, match=message):
+        mgr.probe_reuse(tokens)
+    with pytest.raises(ValueError, match=message):
+        mgr.create_kv_cache(tokens)
+    assert mgr.stats().open_caches == 0
+
+
+def test_layouts_must_match_life_cycles():
+    with pytest.raises(ValueError, match="one \\(or None\\) per life cycle"):
+        KVCacheManager(CacheConfig(), layouts=[None, None])
+
+
+def test_scope_must_be_a_reuse_scope():
+    with pytest.raises(TypeError, match="ReuseScope"):
+        KVCacheManager(CacheConfig()).probe_reuse([1, 2], scope="tenant-a")
+    assert ReuseScope() == ReuseScope(None, None)
