@@ -98,20 +98,20 @@ class Filler:
     """Adds distinct random sequences to a manager's tree until it holds a target number of
     cached blocks, printing progress for long fills.
 
-    Each sequence is ``seq_blocks`` full blocks of fresh random tokens; with
-    ``shared_prefix`` set, a fraction ``shared_frac`` of them start with that prefix (a
-    "system prompt" many requests share), so the prefix's last node gets many children.
+    Each sequence is ``seq_blocks`` full blocks of random tokens. A fraction
+    ``shared_frac`` of them start with one of ``shared_prefixes`` (picked uniformly): "system
+    prompts" many requests share, so the node where such a prefix ends gets many children.
     """
 
     def __init__(self, mgr: Any, tpb: int, seq_blocks: int = 64, seed: int = 1,
-                 shared_prefix: list[int] | None = None, shared_frac: float = 0.0,
+                 shared_prefixes: Sequence[list[int]] = (), shared_frac: float = 0.0,
                  chunk: int = 256) -> None:
         self.mgr, self.tpb, self.seq_blocks = mgr, tpb, seq_blocks
         self.rng = np.random.default_rng(seed)
-        self.shared_prefix = shared_prefix or []
-        self.shared_frac = shared_frac if shared_prefix else 0.0
-        if self.shared_prefix and len(self.shared_prefix) % tpb:
-            raise ValueError("shared_prefix must be whole blocks")
+        self.shared_prefixes = [list(p) for p in shared_prefixes]
+        self.shared_frac = shared_frac if self.shared_prefixes else 0.0
+        if any(len(p) >= seq_blocks * tpb for p in self.shared_prefixes):
+            raise ValueError("shared prefixes must be shorter than a filler sequence")
         self.chunk = chunk
         self.sequences = 0
         self.seconds = 0.0
@@ -122,7 +122,6 @@ class Filler:
     def fill_to(self, target_blocks: int, label: str = "") -> dict[str, float]:
         """Fill until ``stats().cached_pages >= target_blocks``; returns timing info."""
         n_tok = self.seq_blocks * self.tpb
-        shared_len = len(self.shared_prefix)
         t0 = time.perf_counter()
         last_print = t0
         start_blocks = have = self.blocks()
@@ -130,13 +129,17 @@ class Filler:
         while have < target_blocks:
             batch = self.rng.integers(0, VOCAB, size=(self.chunk, n_tok), dtype=np.int64)
             shared = self.rng.random(self.chunk) < self.shared_frac
-            for row, use_shared in zip(batch, shared):
+            which = self.rng.integers(0, max(1, len(self.shared_prefixes)), size=self.chunk)
+            for row, use_shared, k in zip(batch, shared, which):
                 toks = row.tolist()
                 if use_shared:
-                    toks[:shared_len] = self.shared_prefix
+                    prefix = self.shared_prefixes[k]
+                    toks[:len(prefix)] = prefix
+                    have += self.seq_blocks - len(prefix) // self.tpb
+                else:
+                    have += self.seq_blocks
                 cache_sequence(self.mgr, toks)
                 added_seqs += 1
-                have += self.seq_blocks - (shared_len // self.tpb if use_shared else 0)
                 if have >= target_blocks:
                     break
             have = self.blocks()

@@ -11,7 +11,12 @@ replica does for one request:
 
 Variants: prefill only / prefill + 32 output tokens committed one at a time, each with a
 roomy pool (nothing is evicted) and a tight one (``--tight-extra-pages`` pages beyond the
-prefixes' blocks, so closed requests' tails, and some cold prefixes, are evicted all along).
+prefixes' blocks, so closed requests' tails, and some cold prefixes, are evicted all along);
+plus the roomy prefill run again with prefixes rounded up to whole blocks (1856 tokens).
+A 1843-token prefix ends 19 tokens into block 57, so every earlier request on that prefix
+left a block-57 child starting with the same 19 tokens, and partial matching of the next
+request compares against all of them: "drift" (p50 of the last quarter of cycles over the
+first quarter) shows that cost growing as requests accumulate.
 Token generation happens outside the timed section. The cyclic GC stays on (the cycles
 allocate long-lived tree nodes, and collecting them is part of the cost) unless --pause-gc.
 
@@ -40,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=32,
                    help="tokens committed one at a time in the decode variants")
     p.add_argument("--tokens-per-block", type=int, default=32)
-    p.add_argument("--cycles", type=int, default=5000, help="timed cycles per variant")
-    p.add_argument("--warmup", type=int, default=500, help="untimed cycles per variant")
+    p.add_argument("--cycles", type=int, default=20_000, help="timed cycles per variant")
+    p.add_argument("--warmup", type=int, default=1000, help="untimed cycles per variant")
     p.add_argument("--max-seconds", type=float, default=15.0,
                    help="stop a variant's timed loop after this long")
     p.add_argument("--tight-extra-pages", type=int, default=1024,
@@ -57,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_variant(args, name: str, num_pages: int, decode: bool, seed: int) -> dict:
+def run_variant(args, name: str, num_pages: int, decode: bool, seed: int,
+                prefix_tokens: int) -> dict:
     from kvcache import CacheConfig, FullAttention, KVCacheManager
 
     tpb = args.tokens_per_block
@@ -65,10 +71,10 @@ def run_variant(args, name: str, num_pages: int, decode: bool, seed: int) -> dic
                                      life_cycles=(FullAttention(),),
                                      enable_partial_reuse=True))
     rng = np.random.default_rng(seed)
-    prefixes = [random_tokens(rng, args.prefix_tokens) for _ in range(args.prefixes)]
+    prefixes = [random_tokens(rng, prefix_tokens) for _ in range(args.prefixes)]
     for pre in prefixes:                       # every prefix cached once before warm-up
         cache_sequence(mgr, pre)
-    n_fresh = args.request_tokens - args.prefix_tokens
+    n_fresh = args.request_tokens - prefix_tokens
     n_out = args.output_tokens if decode else 0
     total = args.warmup + args.cycles
     samples: list[int] = []
@@ -124,7 +130,7 @@ def run_variant(args, name: str, num_pages: int, decode: bool, seed: int) -> dic
     res = percentiles_ms(samples)
     q = max(1, len(samples) // 4)
     res.update(
-        variant=name, num_pages=num_pages, decode_tokens=n_out,
+        variant=name, num_pages=num_pages, decode_tokens=n_out, prefix_tokens=prefix_tokens,
         cycles=len(samples),
         cycles_per_s=len(samples) / (sum(samples) / 1e9),
         token_reuse=reused / prompt_tokens if prompt_tokens else float("nan"),
@@ -149,16 +155,24 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.prefix_tokens} tokens + {args.request_tokens - args.prefix_tokens} fresh; "
           f"tokens_per_block {tpb}; pages roomy {roomy:,}, tight {tight:,}; "
           f"GC {'on' if args.keep_gc else 'paused'}", flush=True)
+    pre = args.prefix_tokens
+    aligned = -(-pre // tpb) * tpb
     variants = [
-        ("prefill, roomy", roomy, False),
-        (f"prefill + {args.output_tokens} decode, roomy", roomy, True),
-        ("prefill, tight (evicting)", tight, False),
-        (f"prefill + {args.output_tokens} decode, tight (evicting)", tight, True),
+        ("prefill, roomy", roomy, False, pre),
+        (f"prefill + {args.output_tokens} decode, roomy", roomy, True, pre),
+        ("prefill, tight (evicting)", tight, False, pre),
+        (f"prefill + {args.output_tokens} decode, tight (evicting)", tight, True, pre),
     ]
+    if aligned != pre and aligned < args.request_tokens:
+        # Same workload with block-aligned prefixes: the new requests' first own block then
+        # starts with fresh tokens instead of the prefix's last pre % tpb tokens, so partial
+        # matching no longer compares against every earlier request on that prefix.
+        variants.append((f"prefill, roomy, aligned {aligned}-token prefixes", roomy, False,
+                         aligned))
     results = []
-    for k, (name, pages, decode) in enumerate(variants):
+    for k, (name, pages, decode, prefix_tokens) in enumerate(variants):
         print(f"  running: {name}", flush=True)
-        results.append(run_variant(args, name, pages, decode, args.seed + k))
+        results.append(run_variant(args, name, pages, decode, args.seed + k, prefix_tokens))
     rows = [[r["variant"], r["cycles"], r["cycles_per_s"], r["p50_ms"], r["p99_ms"],
              f"{r['token_reuse']:.1%}",
              "-" if r["evicted_blocks"] is None else r["evicted_blocks"],

@@ -4,9 +4,10 @@ A tree of ``--tree-blocks`` cached blocks (distinct random sequences of ``--seq-
 blocks, plus the probed prompt) is built once; then ``probe_reuse`` is timed on a
 ``--prompt-tokens`` prompt whose prefix is cached (all of it, all of it minus one token as a
 replica probes, half of it, none of it). For comparison, the same run times what a
-hash-keyed tree would pay before its first lookup: converting the token list to bytes and
-chaining SHA-256 / xxh3-128 over the prompt's blocks, and a bare walk over nested ``dict``s
-keyed by block bytes (a floor for any Python tree walk).
+hash-keyed tree would pay: converting the token list to bytes, chaining SHA-256 /
+xxh3-128 over the prompt's blocks, and bare walks over nested ``dict``s keyed by block
+bytes (a floor for any Python tree walk) or by chained digests (a hash-keyed tree, without
+the token check on hit it would also need).
 
     python -m bench.kvcache_probe            # ~1-2 minutes
     python -m bench.kvcache_probe --quick    # smoke run
@@ -25,7 +26,7 @@ from array import array
 import numpy as np
 import xxhash
 
-from bench._common import (Filler, add_common_args, cache_sequence, print_table,
+from bench._common import (VOCAB, Filler, add_common_args, cache_sequence, print_table,
                            random_tokens, time_calls, write_result)
 
 TARGET_P50_MS = 1.0
@@ -101,6 +102,33 @@ def walk_dict_tree(root: dict, data: bytes, block_bytes: int) -> int:
     return n
 
 
+def build_hash_tree(data: bytes, block_bytes: int, digest) -> dict:
+    """A hash-keyed tree: nested dicts keyed by each block's chained digest."""
+    root: dict = {}
+    node, h = root, b""
+    for off in range(0, len(data) - block_bytes + 1, block_bytes):
+        h = digest(h + data[off:off + block_bytes])
+        node = node.setdefault(h, {})
+    return root
+
+
+def walk_hash_tree(root: dict, data: bytes, block_bytes: int, digest) -> int:
+    """Walk a hash-keyed tree, hashing block by block and stopping at the first miss (a
+    real one would also compare the block's tokens on each hit to rule out collisions)."""
+    node, h, n = root, b"", 0
+    for off in range(0, len(data) - block_bytes + 1, block_bytes):
+        h = digest(h + data[off:off + block_bytes])
+        node = node.get(h)
+        if node is None:
+            break
+        n += 1
+    return n
+
+
+def sha256_digest(b: bytes) -> bytes:
+    return hashlib.sha256(b).digest()
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> dict:
@@ -113,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = random_tokens(rng, n)
     half = n // 2
     prompt_half = prompt[:half] + random_tokens(rng, n - half)
-    prompt_miss = random_tokens(rng, n)
+    # Token id VOCAB never occurs in the tree, so this is a miss even with partial reuse
+    # (a random first token would partially match a root child ~5% of the time).
+    prompt_miss = [VOCAB] + random_tokens(rng, n - 1)
 
     num_pages = args.tree_blocks + 4 * prompt_blocks + 4 * args.seq_blocks + 1024
     mgr = KVCacheManager(CacheConfig(tokens_per_block=tpb, num_pages=num_pages,
@@ -129,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     build_s = time.perf_counter() - t0
     st = mgr.stats()
     print(f"tree built in {build_s:.1f}s ({fill['blocks_per_s']:,.0f} blocks/s); "
-          f"stats: {st}", flush=True)
+          f"cached_pages {st.cached_pages:,}, free_pages {st.free_pages:,}", flush=True)
 
     cases = [
         ("probe: all cached", prompt, n),
@@ -156,6 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
     dict_root = build_dict_tree(data, bb)
     assert walk_dict_tree(dict_root, data, bb) == prompt_blocks
     assert to_bytes_numpy(prompt) == data == to_bytes_struct(prompt)
+    xx = xxhash.xxh3_128_digest
+    xx_root = build_hash_tree(data, bb, xx)
+    sha_root = build_hash_tree(data, bb, sha256_digest)
+    assert walk_hash_tree(xx_root, data, bb, xx) == prompt_blocks
+    assert walk_hash_tree(sha_root, data, bb, sha256_digest) == prompt_blocks
     baselines = [
         ("tokens -> bytes: array('I')", lambda: to_bytes_array(prompt)),
         ("tokens -> bytes: numpy uint32", lambda: to_bytes_numpy(prompt)),
@@ -166,8 +201,12 @@ def main(argv: list[str] | None = None) -> dict:
          lambda: chain_xxh3_128(data, bb)),
         ("array('I') + chain SHA-256", lambda: chain_sha256(to_bytes_array(prompt), bb)),
         ("array('I') + chain xxh3-128", lambda: chain_xxh3_128(to_bytes_array(prompt), bb)),
-        (f"array('I') + walk nested dicts ({prompt_blocks} hits)",
+        (f"array('I') + walk dicts keyed by block bytes ({prompt_blocks} hits)",
          lambda: walk_dict_tree(dict_root, to_bytes_array(prompt), bb)),
+        ("array('I') + walk dicts keyed by chained xxh3-128",
+         lambda: walk_hash_tree(xx_root, to_bytes_array(prompt), bb, xx)),
+        ("array('I') + walk dicts keyed by chained SHA-256",
+         lambda: walk_hash_tree(sha_root, to_bytes_array(prompt), bb, sha256_digest)),
     ]
     for name, fn in baselines:
         r = time_calls(fn, args.reps, args.warmup, keep_gc=args.keep_gc,

@@ -6,16 +6,19 @@ prompts of the same lengths whose first half only is cached.
 
 Part 2, tree size: one manager is grown from 1k to 1M cached blocks (distinct random
 sequences of ``--seq-blocks`` blocks from a 32k vocabulary; a fraction ``--shared-frac`` of
-them start with one shared 512-token "system prompt"); at each size the same prompts are
-probed:
+them start with one of two shared "system prompts", of 512 and 500 tokens); at each size
+the same prompts are probed:
 
 - ``32k all cached`` / ``32k tokens[:-1]`` / ``4k all cached``: walks along one cached path.
 - ``32k 50% cached``: the walk stops halfway, then partial matching looks at that node's
   children.
 - ``32k nothing cached``: partial matching looks at the root's children, which grow with
   the tree (every filler sequence is a child of the root).
-- ``sys prompt + fresh 4k``: the shared system prompt's last node has a child per filler
-  sequence that shares it, so this also grows with the tree.
+- ``sys 512 + fresh`` / ``sys 500 + fresh``: the node where a shared system prompt ends
+  has a child per filler sequence that shares it. With the block-aligned 512-token prompt
+  those children start with random tokens; with the 500-token one they all start with the
+  prompt's last 20 tokens (as real conversations after a shared system prompt and chat
+  template do), so partial matching has to tell them apart.
 
 The headline is p50(largest tree) / p50(smallest tree) for the same prompt; target <= 1.5.
 
@@ -30,7 +33,7 @@ import time
 
 import numpy as np
 
-from bench._common import (Filler, add_common_args, cache_sequence, print_table,
+from bench._common import (VOCAB, Filler, add_common_args, cache_sequence, print_table,
                            random_tokens, time_calls, write_result)
 
 TARGET_RATIO = 1.5
@@ -49,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--seq-blocks", type=int, default=64, help="blocks per filler sequence")
     p.add_argument("--shared-frac", type=float, default=0.25,
-                   help="share of filler sequences that start with the shared system prompt")
+                   help="share of filler sequences that start with a shared system prompt")
     p.add_argument("--reps", type=int, default=1000, help="timed calls per case")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--max-seconds", type=float, default=2.0,
@@ -125,25 +128,30 @@ def length_scan(args, rng: np.random.Generator) -> dict:
 def size_scan(args, rng: np.random.Generator) -> dict:
     tpb = args.tokens_per_block
     p32 = random_tokens(rng, 32_768)
-    sys_prompt = random_tokens(rng, 512)
+    sys512 = random_tokens(rng, 512)
+    sys500 = random_tokens(rng, 500)
     cases = {
         "32k all cached": (p32, 32_768),
         "32k tokens[:-1]": (p32[:-1], 32_767),
         "4k all cached": (p32[:4096], 4096),
         "32k 50% cached": (p32[:16_384] + random_tokens(rng, 16_384), 16_384),
-        "32k nothing cached": (random_tokens(rng, 32_768), 0),
-        "sys prompt + fresh 4k": (sys_prompt + random_tokens(rng, 4096 - 512), 512),
+        # Token id VOCAB never occurs in the tree: a sure miss.
+        "32k nothing cached": ([VOCAB] + random_tokens(rng, 32_767), 0),
+        "sys 512 + fresh": (sys512 + random_tokens(rng, 4096 - 512), 512),
+        "sys 500 + fresh": (sys500 + random_tokens(rng, 4096 - 500), 500),
     }
     largest = max(args.tree_sizes)
     num_pages = largest + 4 * 1024 + 8 * args.seq_blocks + 4096
     mgr = new_manager(tpb, num_pages)
     print(f"\npart 2: one tree grown to {largest:,} blocks (num_pages {num_pages:,}); "
-          f"{args.shared_frac:.0%} of filler sequences share a 512-token system prompt",
+          f"{args.shared_frac:.0%} of filler sequences start with a shared 512- or 500-token "
+          f"system prompt",
           flush=True)
     cache_sequence(mgr, p32)
-    cache_sequence(mgr, sys_prompt)
+    cache_sequence(mgr, sys512)
+    cache_sequence(mgr, sys500)
     filler = Filler(mgr, tpb, args.seq_blocks, seed=args.seed + 22,
-                    shared_prefix=sys_prompt, shared_frac=args.shared_frac)
+                    shared_prefixes=[sys512, sys500], shared_frac=args.shared_frac)
     points = []
     for size in args.tree_sizes:
         fill = filler.fill_to(size, f" (part 2, -> {size:,})")

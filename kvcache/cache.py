@@ -295,9 +295,8 @@ class KVCache:
             return None  # never resized: the block's tokens live only in the source
         parent = self._path[-1] if self._path else self._tree.root(self.scope)
         key = self._tokens[full * self._tpb:].tobytes()
-        for sibling in parent.by_first.get(key[:TOKEN_BYTES], ()):
-            if sibling.key.startswith(key):
-                return None
+        if parent.child_starting_with(key) is not None:
+            return None
         block = self._tree.insert(parent, key)
         self._tree.hold(block)
         for pool, table in self._tables.items():

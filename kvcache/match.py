@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .config import CacheConfig, ReuseScope
-from .tokens import TOKEN_BYTES, common_prefix_tokens
+from .tokens import TOKEN_BYTES
 from .tree import Block, BlockTree
 
 if TYPE_CHECKING:
@@ -87,18 +87,7 @@ class Matcher:
         return path
 
     def _best_partial(self, parent: Block, rest: bytes) -> tuple[Block | None, int]:
-        candidates = parent.by_first.get(rest[:TOKEN_BYTES])
-        if not candidates:
-            return None, 0
-        rest = rest[: self._tpb * TOKEN_BYTES]
-        best, best_p = None, 0
-        for block in candidates:
-            if any(block.pages[i] is None for i in self._attention):
-                continue
-            p = common_prefix_tokens(block.key, rest)
-            if p > best_p or (p == best_p and best is not None and block.seq < best.seq):
-                best, best_p = block, p
-        return best, best_p
+        return parent.longest_common_child(rest[: self._tpb * TOKEN_BYTES], self._attention)
 
     def _prune(self, length: int, path: list[Block], partial: Block | None,
                with_recurrent: bool) -> int:

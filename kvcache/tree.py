@@ -14,19 +14,20 @@ when popped and the heap is rebuilt when stale entries pile up.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 
 from .config import ReuseScope
 from .pool import PagePool
-from .tokens import TOKEN_BYTES
+from .tokens import TOKEN_BYTES, common_prefix_tokens
 
 
 class Block:
     """One node of the tree: a full block of tokens, a partial (leaf) block, or a root."""
 
     __slots__ = (
-        "key", "parent", "children", "by_first", "pages", "holders", "tick", "depth", "seq",
+        "key", "parent", "children", "sorted_keys", "pages", "holders", "tick", "depth", "seq",
         "alive", "scope",
     )
 
@@ -34,8 +35,9 @@ class Block:
         self.key = key
         self.parent = parent
         self.children: dict[bytes, Block] = {}
-        # First token's bytes -> children starting with it (for partial matching).
-        self.by_first: dict[bytes, list[Block]] = {}
+        # Children's keys in byte order: the child sharing the longest prefix with a
+        # lookup sits next to the lookup's insertion point (partial matching).
+        self.sorted_keys: list[bytes] = []
         self.pages: list[int | None] = [None] * num_pools
         self.holders = 0
         self.tick = 0
@@ -50,6 +52,37 @@ class Block:
 
     def has_pages(self) -> bool:
         return any(p is not None for p in self.pages)
+
+    def longest_common_child(self, query: bytes, pools: tuple[int, ...]
+                             ) -> tuple[Block | None, int]:
+        """The child sharing the most leading tokens with ``query``, and how many.
+
+        Among children sharing that many, the first in key order with a page in every pool
+        of ``pools``; (None, 0) when none has them or nothing is shared.
+        """
+        keys = self.sorted_keys
+        at = bisect.bisect_left(keys, query)
+        best = 0
+        for i in (at - 1, at):
+            if 0 <= i < len(keys):
+                best = max(best, common_prefix_tokens(keys[i], query))
+        if best == 0:
+            return None, 0
+        prefix = query[: best * TOKEN_BYTES]
+        i = bisect.bisect_left(keys, prefix)
+        while i < len(keys) and keys[i].startswith(prefix):
+            child = self.children[keys[i]]
+            if all(child.pages[p] is not None for p in pools):
+                return child, best
+            i += 1
+        return None, 0
+
+    def child_starting_with(self, tokens: bytes) -> Block | None:
+        keys = self.sorted_keys
+        i = bisect.bisect_left(keys, tokens)
+        if i < len(keys) and keys[i].startswith(tokens):
+            return self.children[keys[i]]
+        return None
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"Block(depth={self.depth}, tokens={self.num_tokens}, holders={self.holders})"
@@ -81,7 +114,7 @@ class BlockTree:
         """A new child of ``parent`` (not yet holding pages or holders)."""
         block = Block(key, parent, len(self.pools), parent.depth + 1, self._next_seq())
         parent.children[key] = block
-        parent.by_first.setdefault(key[:TOKEN_BYTES], []).append(block)
+        bisect.insort(parent.sorted_keys, key)
         self.num_blocks += 1
         return block
 
@@ -174,11 +207,8 @@ class BlockTree:
             parent = block.parent
             assert parent is not None
             del parent.children[block.key]
-            first = block.key[:TOKEN_BYTES]
-            siblings = parent.by_first[first]
-            siblings.remove(block)
-            if not siblings:
-                del parent.by_first[first]
+            keys = parent.sorted_keys
+            del keys[bisect.bisect_left(keys, block.key)]
             if parent.children or parent.holders:
                 return
             if parent.parent is None:
