@@ -1,0 +1,169 @@
+"""The replica's HTTP API (FastAPI): thin routes over ReplicaService."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .body_limit import BodySizeLimit
+from .errors import APIError, install_error_handlers
+from .responses import DONE, Formatter, text_pieces
+from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                      CompletionResponse, ErrorResponse, ModelList, ProbeRequest, ProbeResponse,
+                      _GenerationParams)
+from .sequence import Sequence
+from .service import ReplicaService, new_request_id
+from .settings import ReplicaSettings
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+
+
+def create_app(settings: ReplicaSettings, service: ReplicaService | None = None) -> FastAPI:
+    service = service or ReplicaService(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        await service.stop()
+
+    app = FastAPI(title="replica", lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+
+    def internal_auth(request: Request) -> None:
+        token = settings.internal_token
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise APIError(401, "missing or wrong internal token", type="authentication_error",
+                           code="invalid_token")
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request):
+        tokens = service.completion_tokens(body)
+        return await _generate(service, request, body, tokens, "completion",
+                               settings.default_max_tokens)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        tokens = service.chat_tokens(body)
+        return await _generate(service, request, body, tokens, "chat",
+                               settings.default_chat_max_tokens)
+
+    @app.post("/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
+              dependencies=[Depends(internal_auth)])
+    async def probe_reuse(body: ProbeRequest) -> ProbeResponse:
+        return service.probe(body)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[service.model_card()])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    async def ready():
+        if service.ready and not service.draining:
+            return {"status": "ready"}
+        state = "draining" if service.draining else "starting"
+        return JSONResponse({"status": state}, status_code=503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics():
+        return PlainTextResponse(generate_latest(service.metrics.registry),
+                                 media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats", dependencies=[Depends(internal_auth)])
+    async def stats() -> dict:
+        return _stats(service)
+
+    return app
+
+
+async def _generate(service: ReplicaService, request: Request, body: _GenerationParams,
+                    tokens: list[int], kind: str, default_max: int):
+    request_id = request.headers.get("x-request-id") or new_request_id()
+    seq = service.new_sequence(tokens, body, default_max, request_id)
+    fmt = Formatter(kind, request_id, service.model_id)
+    headers = {"x-request-id": request_id}
+    service.submit(seq)
+    pieces = text_pieces(service, seq, body.stop)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(fmt, seq, pieces, include_usage),
+                                 media_type="text/event-stream", headers=headers)
+    watcher = asyncio.create_task(_abort_on_disconnect(request, service, seq))
+    try:
+        text, finish = [], None
+        async for piece in pieces:
+            text.append(piece.text)
+            finish = piece.finish_reason
+            if piece.error:
+                raise APIError(500, piece.error, type="server_error")
+    finally:
+        watcher.cancel()
+        await pieces.aclose()
+    return JSONResponse(fmt.whole("".join(text), finish, seq), headers=headers)
+
+
+async def _sse(fmt: Formatter, seq: Sequence, pieces, include_usage: bool):
+    try:
+        if fmt.chat:
+            yield fmt.chunk("", first=True)
+        async for piece in pieces:
+            if piece.error:
+                yield Formatter.error_event(piece.error)
+                break
+            if piece.text:
+                yield fmt.chunk(piece.text)
+            if piece.finish_reason is not None:
+                yield fmt.chunk(None, piece.finish_reason)
+        if include_usage:
+            yield fmt.usage_chunk(seq)
+        yield DONE
+    finally:
+        await pieces.aclose()
+
+
+async def _abort_on_disconnect(request: Request, service: ReplicaService, seq: Sequence):
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            service.scheduler.abort(seq)
+            return
+
+
+def _stats(service: ReplicaService) -> dict:
+    s = service.manager.stats()
+    sched = service.scheduler
+    return {
+        "model": service.model_id,
+        "engine": service.engine.describe(),
+        "kv_cache": {
+            "tokens_per_block": service.manager.config.tokens_per_block,
+            "num_pages": s.num_pages, "free_pages": s.free_pages, "used_pages": s.used_pages,
+            "cached_pages": s.cached_pages, "cached_blocks": s.cached_blocks,
+            "pools": [dataclasses.asdict(p) for p in s.pools],
+            "evicted_blocks": s.evicted_blocks,
+        },
+        "reuse": {
+            "queries": s.reuse_queries, "query_tokens": s.query_tokens,
+            "hit_tokens": s.hit_tokens,
+            "hit_tokens_before_hybrid_pruning": s.hit_tokens_before_hybrid_pruning,
+            "token_hit_rate": s.hit_rate,
+        },
+        "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting),
+                      "steps": sched.steps, "preemptions": sched.preemptions},
+        "load": service.load().model_dump(),
+    }

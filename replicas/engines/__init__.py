@@ -1,0 +1,32 @@
+"""Engines by name: ``sim`` (timing model) and ``torch`` (a real small transformer)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Engine, SamplingParams, StepItem
+from .sim import SimEngine, SimTiming
+
+if TYPE_CHECKING:
+    from ..settings import ReplicaSettings
+
+__all__ = ["Engine", "SamplingParams", "SimEngine", "SimTiming", "StepItem", "make_engine"]
+
+
+def make_engine(settings: ReplicaSettings) -> Engine:
+    if settings.engine == "sim":
+        timing = SimTiming(
+            prefill_tokens_per_s=settings.sim_prefill_tokens_per_s,
+            step_overhead_s=settings.sim_step_overhead_s,
+            per_seq_prefill_s=settings.sim_per_seq_prefill_s,
+            decode_per_seq_s=settings.sim_decode_per_seq_s,
+            speedup=settings.sim_speedup,
+        )
+        return SimEngine(timing, max_model_len=settings.max_model_len or 32768)
+    if settings.engine == "torch":
+        from .torch_engine import TorchEngine  # imports torch only when asked for
+
+        overrides = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
+        return TorchEngine(preset=settings.preset, device=settings.device, seed=settings.seed,
+                           **overrides)
+    raise ValueError(f"unknown engine {settings.engine!r}; use 'sim' or 'torch'")

@@ -1,0 +1,97 @@
+"""The ``sim`` engine: a timing model over the real KVCacheManager.
+
+Allocation, reuse and eviction are real (the scheduler drives the manager as for any
+engine); only the model's compute is replaced by sleeping for the time it would take:
+
+    step_time = (step_overhead_s
+                 + prefill_tokens / prefill_tokens_per_s           # uncached tokens computed
+                 + prefill_seqs * per_seq_prefill_s
+                 + decode_seqs * decode_per_seq_s) / speedup
+
+``prefill_tokens`` counts only the tokens actually computed, so reuse shortens the step:
+that is the effect the router exploits. ``speedup`` scales every cost (load tests run
+faster than real time). Sampled tokens are lowercase letters and spaces from a per-sequence
+generator (seeded by ``seed`` when given), so outputs are valid text and reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+from kvcache import CacheConfig, FullAttention
+
+from .base import Engine, StepItem
+
+_ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz "]
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    prefill_tokens_per_s: float = 20_000.0
+    step_overhead_s: float = 0.002
+    per_seq_prefill_s: float = 0.0005
+    decode_per_seq_s: float = 0.0004
+    speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "speedup"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sim timing {name} must be > 0, got {getattr(self, name)}")
+        for name in ("step_overhead_s", "per_seq_prefill_s", "decode_per_seq_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sim timing {name} must be >= 0, got {getattr(self, name)}")
+
+    def step_seconds(self, prefill_tokens: int, prefill_seqs: int, decode_seqs: int) -> float:
+        cost = (self.step_overhead_s + prefill_tokens / self.prefill_tokens_per_s
+                + prefill_seqs * self.per_seq_prefill_s + decode_seqs * self.decode_per_seq_s)
+        return cost / self.speedup
+
+
+class SimEngine(Engine):
+    """Sleeps for the modelled step time; samples letters."""
+
+    name = "sim"
+
+    def __init__(self, timing: SimTiming | None = None, max_model_len: int = 32768) -> None:
+        self.timing = timing or SimTiming()
+        self._max_model_len = max_model_len
+
+    def cache_config(self, num_pages: int, tokens_per_block: int,
+                     enable_partial_reuse: bool) -> CacheConfig:
+        return CacheConfig(tokens_per_block=tokens_per_block, num_pages=num_pages,
+                           life_cycles=(FullAttention(),),
+                           enable_partial_reuse=enable_partial_reuse)
+
+    async def step(self, items: list[StepItem]) -> list[int | None]:
+        prefill = [it for it in items if it.is_prefill]
+        seconds = self.timing.step_seconds(
+            prefill_tokens=sum(len(it.tokens) for it in prefill),
+            prefill_seqs=len(prefill),
+            decode_seqs=len(items) - len(prefill),
+        )
+        await asyncio.sleep(seconds)
+        return [self._sample(it) if it.sample is not None else None for it in items]
+
+    @staticmethod
+    def _sample(item: StepItem) -> int:
+        rng = item.state.get("rng")
+        if rng is None:
+            seed = item.sample.seed if item.sample.seed is not None else item.seq_id
+            rng = item.state["rng"] = random.Random(seed)
+        return rng.choice(_ALPHABET)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.timing.prefill_tokens_per_s * self.timing.speedup
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def describe(self) -> dict:
+        t = self.timing
+        return {"engine": self.name, "prefill_tokens_per_s": t.prefill_tokens_per_s,
+                "step_overhead_s": t.step_overhead_s, "decode_per_seq_s": t.decode_per_seq_s,
+                "speedup": t.speedup}

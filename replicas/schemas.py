@@ -1,0 +1,254 @@
+"""Wire schemas of a replica (and of the router, which speaks the same API).
+
+Requests ignore unknown fields (clients such as gateways add their own); values are checked
+here so that every bad input becomes a 400 with an OpenAI-style error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_SEQUENCES = 4
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessageIn(_Request):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported; "
+                                 "send text parts")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class _GenerationParams(_Request):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    cache_salt: Optional[str] = Field(default=None, max_length=256)
+    n: int = 1
+    logprobs: Union[bool, int, None] = None
+    top_logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    user: Optional[str] = None
+
+    @field_validator("n")
+    @classmethod
+    def _single_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: Optional[int]) -> Optional[int]:
+        if v not in (None, 1):
+            raise ValueError("best_of is not supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v not in (None, False):
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        if v not in (None, 0):
+            raise ValueError("top_logprobs are not supported")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    def output_limit(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_GenerationParams):
+    prompt: Union[str, list[int], list[str], list[list[int]], None] = None
+    prompt_token_ids: Optional[list[int]] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CompletionRequest:
+        if self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            return self
+        p = self.prompt
+        if p is None or p == "" or p == []:
+            raise ValueError("prompt is required and must not be empty")
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt")
+            if not p[0]:
+                raise ValueError("prompt must not be empty")
+        return self
+
+
+class ChatCompletionRequest(_GenerationParams):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    prompt_token_ids: Optional[list[int]] = None  # set by the router after tokenizing
+
+
+class ProbeRequest(_Request):
+    """Exactly one of ``prompt``, ``messages``, ``token_ids`` or ``token_ids_b64``."""
+
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessageIn]] = None
+    token_ids: Optional[list[int]] = None
+    token_ids_b64: Optional[str] = None
+    cache_salt: Optional[str] = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ProbeRequest:
+        given = [k for k in ("prompt", "messages", "token_ids", "token_ids_b64")
+                 if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt, messages, token_ids, token_ids_b64"
+                             f" (got {', '.join(given) or 'none'})")
+        return self
+
+
+# -- responses ---------------------------------------------------------------------------
+
+class LoadSnapshot(BaseModel):
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    free_pages: int
+    total_pages: int
+    cached_pages: int
+    prefill_tokens_per_s: float
+    max_num_seqs: int
+    draining: bool
+
+
+class ProbeResponse(BaseModel):
+    num_tokens: int
+    num_tokens_before_hybrid_pruning: int
+    num_prompt_tokens: int
+    load: LoadSnapshot
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Optional[str]
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: Optional[str]
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefix-router"
+    tokenizer_fingerprint: str
+    tokens_per_block: int
+    probe_reuse: bool = True
+    max_model_len: int
+    engine: dict[str, Any] = {}
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,229 @@
+"""ReplicaService: tokenizer, KV-cache manager, engine and scheduler behind one object.
+
+The HTTP layer parses, calls a method here, and formats; every rule about what a request
+may ask for lives here and raises ``APIError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import math
+import time
+import uuid
+from array import array
+from collections.abc import AsyncIterator
+
+from kvcache import KVCacheManager, ReuseScope
+
+from .engines import make_engine
+from .engines.base import Engine, SamplingParams
+from .errors import APIError
+from .metrics import ReplicaMetrics
+from .scheduler import QueueFull, Scheduler, SchedulerConfig
+from .schemas import (ChatCompletionRequest, CompletionRequest, LoadSnapshot, ModelCard,
+                      ProbeRequest, ProbeResponse, _GenerationParams)
+from .sequence import FinishEvent, Sequence, TokenEvent
+from .settings import ReplicaSettings
+from .tokenizer import ByteTokenizer, ChatMessage
+
+
+class ReplicaService:
+    def __init__(self, settings: ReplicaSettings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.tokenizer = ByteTokenizer()
+        self.engine = engine or make_engine(settings)
+        cfg = self.engine.cache_config(settings.kv_pages, settings.tokens_per_block,
+                                       settings.enable_partial_reuse)
+        self.manager = KVCacheManager(cfg, self.engine.page_layouts())
+        self.engine.bind(self.manager)
+        self.model_id = settings.model or f"{self.engine.name}-byte-lm"
+        self.max_model_len = min(settings.max_model_len or self.engine.max_model_len,
+                                 self.engine.max_model_len)
+        self.metrics = ReplicaMetrics(self.model_id)
+        self.scheduler = Scheduler(self.manager, self.engine, SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens,
+            max_waiting=settings.max_waiting), observer=self.metrics)
+        self.metrics.bind(self.scheduler)
+        self.created = int(time.time())
+        self.ready = False
+        self.draining = False
+        self._task: asyncio.Task | None = None
+
+    # -- life --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.scheduler.run(), name="scheduler")
+        self.ready = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new work, let in-flight requests finish. True if all finished in time."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while not self.scheduler.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.scheduler.idle
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    # -- models and probes -------------------------------------------------------------
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_id, created=self.created,
+                         tokenizer_fingerprint=self.tokenizer.fingerprint,
+                         tokens_per_block=self.manager.config.tokens_per_block,
+                         max_model_len=self.max_model_len, engine=self.engine.describe())
+
+    def probe(self, req: ProbeRequest) -> ProbeResponse:
+        if req.prompt is not None:
+            tokens = self.tokenizer.encode(req.prompt)
+        elif req.messages is not None:
+            tokens = self._render(req.messages)
+        elif req.token_ids is not None:
+            tokens = self._checked_ids(req.token_ids, "token_ids")
+        else:
+            tokens = self._checked_ids(_decode_b64(req.token_ids_b64), "token_ids_b64")
+        probe = self.manager.probe_reuse(tokens[:-1], scope=_scope(req.cache_salt))
+        return ProbeResponse(num_tokens=probe.num_tokens,
+                             num_tokens_before_hybrid_pruning=probe.num_tokens_before_hybrid_pruning,
+                             num_prompt_tokens=len(tokens), load=self.load())
+
+    def load(self) -> LoadSnapshot:
+        s = self.manager.stats()
+        return LoadSnapshot(running=len(self.scheduler.running),
+                            waiting=len(self.scheduler.waiting),
+                            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
+                            free_pages=s.free_pages, total_pages=s.num_pages,
+                            cached_pages=s.cached_pages,
+                            prefill_tokens_per_s=self.engine.prefill_tokens_per_s,
+                            max_num_seqs=self.scheduler.config.max_num_seqs,
+                            draining=self.draining)
+
+    # -- generation --------------------------------------------------------------------
+
+    def completion_tokens(self, req: CompletionRequest) -> list[int]:
+        self._check_model(req)
+        if req.prompt_token_ids is not None:
+            return self._checked_ids(req.prompt_token_ids, "prompt_token_ids")
+        p = req.prompt
+        if isinstance(p, str):
+            return self.tokenizer.encode(p)
+        if isinstance(p[0], str):
+            return self.tokenizer.encode(p[0])
+        if isinstance(p[0], list):
+            return self._checked_ids(p[0], "prompt")
+        return self._checked_ids(p, "prompt")
+
+    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+        self._check_model(req)
+        if req.prompt_token_ids is not None:
+            return self._checked_ids(req.prompt_token_ids, "prompt_token_ids")
+        return self._render(req.messages)
+
+    def new_sequence(self, tokens: list[int], req: _GenerationParams, default_max: int,
+                     request_id: str | None = None) -> Sequence:
+        if self.draining:
+            raise APIError(503, "replica is draining", type="server_error",
+                           code="draining")
+        room = self.max_model_len - len(tokens)
+        if room < 1:
+            raise APIError(400, f"prompt has {len(tokens)} tokens; this model's maximum "
+                           f"context length is {self.max_model_len}", param="prompt",
+                           code="context_length_exceeded")
+        max_tokens = req.output_limit()
+        if max_tokens is None:
+            max_tokens = min(default_max, room)
+        elif len(tokens) + max_tokens > self.max_model_len:
+            raise APIError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) "
+                           f"exceeds the maximum context length {self.max_model_len}",
+                           param="max_tokens", code="context_length_exceeded")
+        self._check_fits_pool(len(tokens) + max_tokens)
+        return Sequence(id=request_id or uuid.uuid4().hex, prompt=tokens, max_tokens=max_tokens,
+                        sampling=SamplingParams(req.temperature, req.top_p, req.seed),
+                        scope=_scope(req.cache_salt),
+                        stop_token_ids=self.tokenizer.stop_token_ids)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue ``seq``; 429 when the admission queue is full."""
+        try:
+            self.scheduler.submit(seq)
+        except QueueFull:
+            self.metrics.rejected.labels(self.model_id, "queue_full").inc()
+            raise APIError(429, "too many requests are waiting; retry later",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+
+    async def events(self, seq: Sequence) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """A submitted sequence's events; leaving early aborts it (its pages are freed)."""
+        try:
+            while True:
+                event = await seq.events.get()
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            self.scheduler.abort(seq)
+
+    def stop_sequence(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq, "stop")
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check_model(self, req: _GenerationParams) -> None:
+        if req.model is not None and req.model != self.model_id:
+            raise APIError(404, f"model {req.model!r} is not served here; this replica "
+                           f"serves {self.model_id!r}", param="model", code="model_not_found")
+
+    def _checked_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise APIError(400, f"{param} must not be empty", param=param)
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{param} has token id {bad}, outside the vocabulary "
+                           f"[0, {vocab})", param=param, code="invalid_token_id")
+        return list(ids)
+
+    def _check_fits_pool(self, total_tokens: int) -> None:
+        blocks = math.ceil(total_tokens / self.manager.config.tokens_per_block)
+        if blocks > self.manager.config.num_pages:
+            raise APIError(400, f"prompt + max_tokens ({total_tokens} tokens) needs {blocks} "
+                           f"KV pages but this replica has {self.manager.config.num_pages}",
+                           param="max_tokens", code="context_length_exceeded")
+
+    def _render(self, messages) -> list[int]:
+        try:
+            return self.tokenizer.render_chat([ChatMessage(m.role, m.text()) for m in messages])
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+
+
+def _scope(cache_salt: str | None) -> ReuseScope:
+    return ReuseScope(salt=cache_salt) if cache_salt else ReuseScope()
+
+
+def _decode_b64(data: str) -> list[int]:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, "token_ids_b64 is not valid base64", param="token_ids_b64") from None
+    if len(raw) % 4:
+        raise APIError(400, "token_ids_b64 must hold little-endian uint32 values (a multiple "
+                       "of 4 bytes)", param="token_ids_b64")
+    ids = array("I")
+    ids.frombytes(raw)
+    if ids.itemsize == 4 and array("I", [1]).tobytes() != b"\x01\x00\x00\x00":
+        ids.byteswap()
+    return ids.tolist()
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

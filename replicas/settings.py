@@ -1,0 +1,85 @@
+"""Replica settings: command-line flags > ``REPLICA_*`` environment > YAML file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "REPLICA_"
+
+
+class ReplicaSettings(BaseSettings):
+    """Every setting of ``python -m replicas``; each field is also ``REPLICA_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=9001, ge=0, le=65535)
+    engine: Literal["sim", "torch"] = "sim"
+    model: Optional[str] = None  # served model id; default depends on the engine
+    # KV cache
+    kv_pages: int = Field(default=256, ge=1)
+    tokens_per_block: int = Field(default=32, ge=1)
+    enable_partial_reuse: bool = True
+    # scheduler and limits
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_batched_tokens: int = Field(default=2048, ge=1)
+    max_waiting: int = Field(default=512, ge=0)
+    max_model_len: Optional[int] = Field(default=None, ge=2)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    default_max_tokens: int = Field(default=16, ge=1)  # completions, as OpenAI's default
+    default_chat_max_tokens: int = Field(default=256, ge=1)
+    # security: bearer token for /probe_reuse and admin routes (unset: open)
+    internal_token: Optional[str] = None
+    # torch engine
+    preset: str = "default"
+    device: Optional[str] = None
+    seed: int = 0
+    # sim engine (see replicas/engines/sim.py)
+    sim_prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
+    sim_step_overhead_s: float = Field(default=0.002, ge=0)
+    sim_per_seq_prefill_s: float = Field(default=0.0005, ge=0)
+    sim_decode_per_seq_s: float = Field(default=0.0004, ge=0)
+    sim_speedup: float = Field(default=1.0, gt=0)
+    # operations
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    log_level: str = "info"
+
+
+def load_settings(cli: dict[str, Any], config_file: str | None = None) -> ReplicaSettings:
+    """Merge: flags given on the command line, then the environment, then the YAML file."""
+    config_file = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    from_file: dict[str, Any] = {}
+    if config_file:
+        data = yaml.safe_load(Path(config_file).read_text()) or {}
+        data = data.get("replica", data)
+        if not isinstance(data, dict):
+            raise ValueError(f"{config_file}: expected a mapping of replica settings")
+        from_file = {k.replace("-", "_"): v for k, v in data.items()
+                     if f"{ENV_PREFIX}{k.replace('-', '_').upper()}" not in os.environ}
+    return ReplicaSettings(**{**from_file, **{k: v for k, v in cli.items() if v is not None}})
+
+
+def parse_args(argv: list[str] | None = None) -> ReplicaSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m replicas",
+        description="A replica: an engine around one KV-cache manager, OpenAI-compatible.",
+    )
+    parser.add_argument("--config", help="YAML file of settings (see config/)")
+    for name, field in ReplicaSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None)
+        else:
+            parser.add_argument(flag, dest=name, default=None,
+                                help=f"(env {ENV_PREFIX}{name.upper()})")
+    args = vars(parser.parse_args(argv))
+    config = args.pop("config")
+    return load_settings(args, config)
