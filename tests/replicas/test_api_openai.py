@@ -124,3 +124,33 @@ def test_prompt_token_ids_field(replica, model):
                    json={"model": model, "prompt_token_ids": ids, "max_tokens": 3})
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_metrics_follow_the_traffic(replica, client, model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        text = httpx.get(replica.url + "/metrics").text
+        return {s.name + str(sorted(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    label = str(sorted({"model_name": model}.items()))
+    before = scrape()
+    client.completions.create(model=model, prompt=SYSTEM + "metrics", max_tokens=3)
+    client.completions.create(model=model, prompt=SYSTEM + "metrics", max_tokens=3)
+    after = scrape()
+    assert after["replica_time_to_first_token_seconds_count" + label] == \
+        before["replica_time_to_first_token_seconds_count" + label] + 2
+    assert after["replica_generation_tokens_total" + label] == \
+        before["replica_generation_tokens_total" + label] + 6
+    hits = after["replica_prefix_cache_hits_total" + label] - \
+        before["replica_prefix_cache_hits_total" + label]
+    queries = after["replica_prefix_cache_queries_total" + label] - \
+        before["replica_prefix_cache_queries_total" + label]
+    prompt_len = len((SYSTEM + "metrics").encode()) + 1
+    assert queries == 2 * (prompt_len - 1)
+    assert hits >= prompt_len - 1  # the second request reuses everything it probes
+    for name in ("replica_num_requests_running", "replica_num_requests_waiting",
+                 "replica_kv_cache_usage_perc", "replica_inter_token_latency_seconds_count",
+                 "replica_e2e_request_latency_seconds_count"):
+        assert name + label in after

@@ -1,0 +1,1 @@
+"""Load-test harness and cluster simulator."""

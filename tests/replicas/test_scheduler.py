@@ -1,0 +1,156 @@
+"""The scheduler in-process, over the sim engine at high speed-up."""
+
+import asyncio
+
+import pytest
+
+from kvcache import CacheConfig, FullAttention, KVCacheManager, ReuseScope
+from replicas.engines.base import Engine, SamplingParams
+from replicas.engines.sim import SimEngine, SimTiming
+from replicas.scheduler import QueueFull, Scheduler, SchedulerConfig
+from replicas.sequence import FinishEvent, Sequence, SeqState, TokenEvent
+
+TPB = 4
+
+
+class RecordingEngine(SimEngine):
+    """Sim engine that records every batch it was given."""
+
+    def __init__(self):
+        super().__init__(SimTiming(speedup=1e6))
+        self.batches = []
+
+    async def step(self, items):
+        self.batches.append([(it.seq_id, it.start, len(it.tokens), it.sample is not None)
+                             for it in items])
+        return await super().step(items)
+
+
+def make(pages=16, **cfg):
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=pages,
+                                     life_cycles=(FullAttention(),)))
+    engine = RecordingEngine()
+    return mgr, engine, Scheduler(mgr, engine, SchedulerConfig(**cfg))
+
+
+def seq(name, prompt, max_tokens=3):
+    return Sequence(id=name, prompt=list(prompt), max_tokens=max_tokens,
+                    sampling=SamplingParams(seed=1), scope=ReuseScope(),
+                    stop_token_ids=frozenset({257}))
+
+
+async def drain(s: Sequence):
+    events = []
+    while True:
+        e = await s.events.get()
+        events.append(e)
+        if isinstance(e, FinishEvent):
+            return events
+
+
+def run_all(sched, seqs, timeout=5.0):
+    async def go():
+        task = asyncio.create_task(sched.run())
+        for s in seqs:
+            sched.submit(s)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(drain(s) for s in seqs)), timeout)
+        finally:
+            task.cancel()
+    return asyncio.run(go())
+
+
+def test_chunked_prefill_ends_on_block_boundaries_then_decodes():
+    mgr, engine, sched = make(max_batched_tokens=6)
+    a = seq("a", range(1, 15), max_tokens=2)          # 14 prompt tokens
+    events = run_all(sched, [a])[0]
+    assert [type(e) for e in events] == [TokenEvent, TokenEvent, FinishEvent]
+    assert events[-1].reason == "length"
+    # Chunks of at most 6: 0-4 and 4-8 (cut back to block boundaries), 8-14 (the rest fits,
+    # and samples the first token), then one decode step for the second token.
+    assert engine.batches == [[("a", 0, 4, False)], [("a", 4, 4, False)], [("a", 8, 6, True)],
+                              [("a", 14, 1, True)]]
+    assert mgr.stats().used_pages == 0
+
+
+def test_reuse_skips_the_cached_prefix():
+    mgr, engine, sched = make()
+    run_all(sched, [seq("a", range(1, 11))])
+    engine.batches.clear()
+    b = seq("b", range(1, 11))
+    run_all(sched, [b])
+    assert b.cached_tokens == 9                       # all 9 probed tokens (partial reuse)
+    assert engine.batches[0] == [("b", 9, 1, True)]
+
+
+def test_pool_pressure_preempts_the_newest_and_everything_finishes():
+    mgr, engine, sched = make(pages=6)                # 24 tokens of KV
+    seqs = [seq(f"s{i}", [10 + i] * 9, max_tokens=8) for i in range(3)]  # 17 tokens each
+    results = run_all(sched, seqs)
+    assert [r[-1].reason for r in results] == ["length"] * 3
+    assert [len(s.output) for s in seqs] == [8, 8, 8]
+    assert sched.preemptions >= 1
+    stats = mgr.stats()
+    assert stats.used_pages == 0 and stats.open_caches == 0
+
+
+def test_abort_of_a_waiting_and_a_running_sequence_frees_everything():
+    mgr, engine, sched = make(max_num_seqs=1)
+
+    async def go():
+        task = asyncio.create_task(sched.run())
+        a, b = seq("a", range(1, 9), max_tokens=1000), seq("b", range(1, 9))
+        sched.submit(a)
+        sched.submit(b)
+        await a.events.get()                          # a is running
+        sched.abort(b)
+        sched.abort(a)
+        ev_a, ev_b = await drain(a), await drain(b)
+        task.cancel()
+        return ev_a[-1], ev_b[-1]
+    fa, fb = asyncio.run(go())
+    assert (fa.reason, fb.reason) == ("abort", "abort")
+    assert mgr.stats().used_pages == 0 and sched.idle
+
+
+def test_queue_limit():
+    mgr, engine, sched = make(max_waiting=1)
+    sched.submit(seq("a", [1, 2]))
+    with pytest.raises(QueueFull):
+        sched.submit(seq("b", [1, 2]))
+
+
+def test_stop_token_finishes_with_stop():
+    class EosEngine(RecordingEngine):
+        async def step(self, items):
+            await super().step(items)
+            return [257 if it.sample else None for it in items]
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=8))
+    sched = Scheduler(mgr, EosEngine(), SchedulerConfig())
+    s = seq("a", [1, 2, 3], max_tokens=10)
+    events = run_all(sched, [s])[0]
+    assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["stop"]
+    assert s.output == [257]
+
+
+def test_engine_failure_fails_the_batch_and_keeps_serving():
+    class Flaky(RecordingEngine):
+        calls = 0
+
+        async def step(self, items):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("boom")
+            return await super().step(items)
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=8))
+    sched = Scheduler(mgr, Flaky(), SchedulerConfig())
+    first = run_all(sched, [seq("a", [1, 2, 3])])[0]
+    assert first[-1].reason == "abort" and "boom" in first[-1].error
+    second = run_all(sched, [seq("b", [1, 2, 3])])[0]
+    assert second[-1].reason == "length"
+    assert mgr.stats().used_pages == 0
+
+
+def test_engine_interface_is_abstract():
+    with pytest.raises(TypeError):
+        Engine()

@@ -1,0 +1,41 @@
+from hypothesis import given, strategies as st
+
+from replicas.tokenizer import (BOS, EOS, IM_END, IM_START, ByteTokenizer, ChatMessage,
+                                IncrementalDecoder)
+
+tok = ByteTokenizer()
+
+
+@given(st.text())
+def test_encode_decode_round_trip(text):
+    ids = tok.encode(text)
+    assert ids[0] == BOS and all(0 <= t < tok.vocab_size for t in ids)
+    assert tok.decode(ids) == text
+
+
+@given(st.text())
+def test_incremental_decoding_equals_whole_decoding(text):
+    dec = IncrementalDecoder()
+    pieces = [dec.push(t) for t in tok.encode(text, add_bos=False)] + [dec.flush()]
+    assert "".join(pieces) == text
+
+
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text()),
+                min_size=1, max_size=4))
+def test_chat_template_is_a_prefix_of_longer_conversations(turns):
+    messages = [ChatMessage(r, c) for r, c in turns]
+    shorter = tok.render_chat(messages, add_generation_prompt=False)
+    longer = tok.render_chat(messages + [ChatMessage("user", "more")])
+    assert longer[: len(shorter)] == shorter  # what makes multi-turn prefix reuse work
+    assert shorter.count(IM_START) == shorter.count(IM_END) == len(messages)
+
+
+def test_chat_template_exact_tokens():
+    ids = tok.render_chat([ChatMessage("user", "hi")])
+    assert ids == [BOS, IM_START, *b"user\nhi", IM_END, ord("\n"), IM_START, *b"assistant\n"]
+
+
+def test_specials_do_not_decode_and_fingerprint_is_stable():
+    assert tok.decode([BOS, 104, 105, EOS]) == "hi"
+    assert tok.fingerprint == ByteTokenizer().fingerprint
+    assert len(tok.fingerprint) == 16
