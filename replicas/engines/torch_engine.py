@@ -36,7 +36,7 @@ from replicas.engines.base import Engine, SamplingParams, StepItem
 from replicas.model import LAYER_KINDS, PRESETS, attention, build_model, linear_scan
 
 # Prefill rate before any measurement: an assumed arithmetic rate over 2 FLOPs/parameter.
-_ASSUMED_FLOPS = {"cpu": 3e10, "cuda": 2e12}
+_ASSUMED_FLOPS = {"cpu": 1.5e10, "cuda": 2e12}
 _EMA_WEIGHT = 0.2
 _MIN_MEASURED_TOKENS = 64  # smaller prefill steps mostly measure per-step overhead
 
@@ -75,7 +75,7 @@ class _PagedContext:
         lo, pages = seq.past[pool]
         store, tpb = self._engine.storage[pool], self._engine.tokens_per_block
         kv = store[pages].permute(1, 2, 0, 3, 4, 5).flatten(2, 3)
-        skip = lo - (lo // tpb) * tpb
+        skip = lo % tpb  # the first page starts at block boundary (lo // tpb) * tpb
         return kv[:, :, skip:skip + seq.start - lo]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -153,6 +153,7 @@ class TorchEngine(Engine):
         return layouts
 
     def bind(self, manager) -> None:
+        """Use ``manager``'s pages (its tokens_per_block becomes this engine's)."""
         expected = self.cache_config(manager.config.num_pages, manager.config.tokens_per_block,
                                      manager.config.enable_partial_reuse)
         if manager.config != expected:

@@ -1,0 +1,239 @@
+"""TorchEngine on real pages: reuse is exact, windows are honoured, sampling is seeded.
+
+Each test drives the engine as a scheduler would: ``create_kv_cache(prompt[:-1])``,
+``resize``, compute ``prompt[reused:]`` (in chunks, committing after each), then decode
+one token a step, committing it. Reused runs are compared with the same prompt computed
+from scratch in a fresh manager, and with the model's dense reference forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvcache import FullAttention, KVCacheManager, Recurrent, SlidingWindow
+from replicas.engines.base import SamplingParams, StepItem
+from replicas.engines.torch_engine import TorchEngine, sample_token
+from replicas.model import reference_logits
+
+TPB = 8
+GREEDY = SamplingParams(temperature=0.0)
+ATOL = 1e-4
+
+
+def make(preset: str, pages: int = 64, **overrides) -> tuple[TorchEngine, KVCacheManager]:
+    engine = TorchEngine(preset, seed=3, **overrides)
+    mgr = KVCacheManager(engine.cache_config(pages, TPB, True), engine.page_layouts())
+    engine.bind(mgr)
+    return engine, mgr
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(260) for _ in range(n)]
+
+
+@dataclass
+class Run:
+    reused: int
+    logits: torch.Tensor  # last prompt position
+    generated: list[int]
+
+
+async def _serve(engine, mgr, prompt, n_new, chunks, params, after_commit):
+    cache = mgr.create_kv_cache(prompt[:-1])
+    assert cache.resize(len(prompt) + n_new)
+    pos, state = cache.num_reused_tokens, {}
+    for size in chunks:  # prefill chunks that do not reach the end: no sampling
+        item = StepItem("s", cache, prompt[pos:pos + size], pos, None, state)
+        assert await engine.step([item]) == [None]
+        cache.commit(item.tokens)
+        pos += size
+        after_commit(cache)
+    logits = engine.forward_logits([StepItem("s", cache, prompt[pos:], pos, params, state)])[0]
+    cache.commit(prompt[pos:])
+    after_commit(cache)
+    generated = [sample_token(logits, params, state)]
+    while len(generated) < n_new:
+        item = StepItem("s", cache, generated[-1:], cache.num_committed_tokens, params, state)
+        generated += await engine.step([item])
+        cache.commit(item.tokens)
+        after_commit(cache)
+    cache.close()
+    return Run(cache.num_reused_tokens, logits, generated)
+
+
+def serve(engine, mgr, prompt, n_new=8, chunks=(), params=GREEDY, after_commit=lambda c: None):
+    """Serve one request; ``chunks``: sizes of the prefill chunks before the last one."""
+    return asyncio.run(_serve(engine, mgr, prompt, n_new, chunks, params, after_commit))
+
+
+# -- configuration ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset, life_cycles, shapes", [
+    ("tiny", (FullAttention(),), [(2, 2, TPB, 2, 16)]),
+    ("tiny-hybrid", (FullAttention(), SlidingWindow(window=24), Recurrent()),
+     [(1, 2, TPB, 2, 16), (1, 2, TPB, 2, 16), (1, 64)]),
+])
+def test_cache_config_and_layouts_follow_the_model(preset, life_cycles, shapes):
+    engine = TorchEngine(preset)
+    with pytest.raises(RuntimeError):
+        engine.page_layouts()
+    config = engine.cache_config(16, TPB, False)
+    assert config.life_cycles == life_cycles and not config.enable_partial_reuse
+    layouts = engine.page_layouts()
+    assert [layout.shape for layout in layouts] == shapes
+    assert {layout.device for layout in layouts} == {str(engine.device)}
+    with pytest.raises(ValueError):
+        engine.bind(KVCacheManager(config))  # no page storage
+
+
+def test_same_seed_same_weights_and_describe():
+    a, b = TorchEngine("tiny", seed=5), TorchEngine("tiny", seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    assert not torch.equal(a.model.head.weight, TorchEngine("tiny", seed=6).model.head.weight)
+    info = TorchEngine("default").describe()
+    assert (info["engine"], info["preset"], info["parameters"]) == ("torch", "default", 4329728)
+    assert TorchEngine("tiny", max_model_len=100).max_model_len == 100
+
+
+# -- reuse is exact ----------------------------------------------------------------------
+
+HYBRID = {"preset": "tiny-hybrid", "window": 48}
+REUSE_CASES = {
+    # name: (first prompt, second prompt, its first prefill chunks, reuse: tiny, hybrid)
+    "whole blocks": (tokens(1, 64) + tokens(2, 4), tokens(1, 64) + tokens(3, 20), [64],
+                     (64, 64)),
+    "diverges inside a block": (tokens(1, 67) + [1], tokens(1, 67) + [2] + tokens(4, 12), [64],
+                                (67, 64)),
+    "extends a stored partial block": (tokens(5, 60), tokens(5, 60) + tokens(6, 20), [56],
+                                       (60, 56)),
+}
+
+
+@pytest.mark.parametrize("kind", ["tiny", "hybrid"])
+@pytest.mark.parametrize("case", list(REUSE_CASES))
+def test_reused_prefix_gives_the_same_output_as_scratch(case, kind):
+    first, second, chunks, expected = REUSE_CASES[case]
+    settings = {"preset": "tiny"} if kind == "tiny" else HYBRID
+    engine, mgr = make(**settings)
+    assert serve(engine, mgr, first, n_new=1, chunks=chunks).reused == 0
+    reused = serve(engine, mgr, second)
+    assert reused.reused == expected[kind == "hybrid"]
+    scratch = serve(*make(**settings), second)
+    assert scratch.reused == 0
+    assert reused.generated == scratch.generated
+    torch.testing.assert_close(reused.logits, scratch.logits, atol=ATOL, rtol=0)
+    dense = reference_logits(engine.model, second)[-1].cpu()
+    torch.testing.assert_close(reused.logits, dense, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_chunked_prefill_matches_one_chunk(preset):
+    prompt = tokens(7, 90)
+    whole = serve(*make(preset), prompt)
+    chunked = serve(*make(preset), prompt, chunks=[30, 26])
+    assert chunked.generated == whole.generated
+    torch.testing.assert_close(chunked.logits, whole.logits, atol=ATOL, rtol=0)
+
+
+# -- only the pages a step needs are read --------------------------------------------------
+
+def _poison_unread(engine: TorchEngine, mgr: KVCacheManager):
+    """After each commit, fill with NaN every page slot the next step must not read: pages
+    the cache does not hold, window pages it gave back, slots past the committed tokens,
+    and recurrent pages other than the live one."""
+    seen_released = []
+
+    def poison(cache) -> None:
+        committed = cache.num_committed_tokens
+        for pool, kind in enumerate(engine.kinds):
+            store = mgr.page_storage(pool)
+            if kind == "recurrent":
+                keep = {cache.live_state_page(pool)}
+            else:
+                table = cache.block_table(pool)
+                seen_released.append(None in table)
+                keep = {p for p in table if p is not None}
+                for block, page in enumerate(table):
+                    if page is not None and (block + 1) * TPB > committed:
+                        store[page, :, :, max(0, committed - block * TPB):] = float("nan")
+            for page in set(range(store.shape[0])) - keep:
+                store[page] = float("nan")
+
+    return poison, seen_released
+
+
+def test_pages_outside_the_window_are_never_read():
+    prompt = tokens(8, 100)
+    clean = serve(*make("tiny-hybrid"), prompt, chunks=[20, 30])
+    engine, mgr = make("tiny-hybrid")
+    poison, seen_released = _poison_unread(engine, mgr)
+    poisoned = serve(engine, mgr, prompt, chunks=[20, 30], after_commit=poison)
+    assert any(seen_released)  # sliding-window pages really were given back
+    assert torch.isfinite(poisoned.logits).all()
+    assert poisoned.generated == clean.generated
+    torch.testing.assert_close(poisoned.logits, clean.logits, atol=ATOL, rtol=0)
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+def _step_prompt(preset: str, prompt: list[int], params: SamplingParams) -> int:
+    engine, mgr = make(preset)
+    cache = mgr.create_kv_cache(prompt[:-1])
+    assert cache.resize(len(prompt))
+    return asyncio.run(engine.step([StepItem("s", cache, prompt, 0, params)]))[0]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0, top_p=1e-6)])
+def test_greedy_and_tiny_top_p_pick_the_argmax(params):
+    prompt = tokens(9, 40)
+    engine, mgr = make("tiny")
+    cache = mgr.create_kv_cache(prompt[:-1])
+    assert cache.resize(len(prompt))
+    logits = engine.forward_logits([StepItem("s", cache, prompt, 0, None)])[0]
+    assert _step_prompt("tiny", prompt, params) == int(logits.argmax())
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    prompt = tokens(10, 40)
+
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+        return serve(*make("tiny-hybrid"), prompt, n_new=8, params=params).generated
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+
+
+def test_steps_compute_off_the_event_loop_and_measure_the_prefill_rate():
+    engine, mgr = make("tiny")
+    threads = []
+    compute = engine._compute
+    engine._compute = lambda batch: threads.append(threading.get_ident()) or compute(batch)
+    initial = engine.prefill_tokens_per_s
+    for seed in (12, 13, 14):  # the first measured step is a warm-up, not counted
+        prompt = tokens(seed, 100)
+        cache = mgr.create_kv_cache(prompt[:-1])
+        assert cache.resize(len(prompt))
+        asyncio.run(engine.step([StepItem("s", cache, prompt, 0, GREEDY)]))
+        cache.close()
+    assert len(threads) == 3 and threading.get_ident() not in threads
+    assert engine.prefill_tokens_per_s != initial
+
+
+def test_bad_items_are_refused():
+    engine, mgr = make("tiny")
+    cache = mgr.create_kv_cache([])
+    assert cache.resize(8)
+    with pytest.raises(ValueError, match="start"):
+        engine.forward_logits([StepItem("s", cache, [1, 2], 1, None)])
+    with pytest.raises(ValueError, match="capacity"):
+        engine.forward_logits([StepItem("s", cache, list(range(9)), 0, None)])
+    with pytest.raises(ValueError, match="top_p"):
+        engine.forward_logits([StepItem("s", cache, [1], 0, SamplingParams(top_p=0.0))])
