@@ -6,6 +6,9 @@ import pytest
 
 from tests.procs import Proc
 
+SHARED = [256] + [(7 * i) % 250 for i in range(143)]   # 144 tokens: 9 blocks of 16
+FOLLOW_UP = SHARED + [(11 * i) % 250 for i in range(20)]
+
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
 def test_torch_replica_reuses_and_stays_exact(preset):
@@ -13,17 +16,20 @@ def test_torch_replica_reuses_and_stays_exact(preset):
               "--tokens-per-block", "16", "--max-batched-tokens", "64") as rep:
         client = openai.OpenAI(base_url=rep.url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
-        messages = [{"role": "system", "content": "Answer briefly. " * 6},
-                    {"role": "user", "content": "What is reuse?"}]
-        first = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                               temperature=0)
-        probe = httpx.post(rep.url + "/probe_reuse", json={"messages": messages}).json()
-        second = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                                temperature=0)
-        assert first.usage.prompt_tokens_details.cached_tokens == 0
-        assert second.usage.prompt_tokens_details.cached_tokens == probe["num_tokens"] > 0
-        assert probe["num_tokens"] <= probe["num_tokens_before_hybrid_pruning"]
+
+        def complete(ids, salt, max_tokens):
+            return client.completions.create(model=model, prompt=ids, max_tokens=max_tokens,
+                                             temperature=0, extra_body={"cache_salt": salt})
+
+        # The first request's prefill ends on a block boundary, so even the hybrid model
+        # (recurrent snapshots, a 24-token sliding window) can reuse all of it.
+        complete(SHARED, "a", 1)
+        probe = httpx.post(rep.url + "/probe_reuse",
+                           json={"token_ids": FOLLOW_UP, "cache_salt": "a"}).json()
+        reused = complete(FOLLOW_UP, "a", 8)
+        fresh = complete(FOLLOW_UP, "b", 8)
+        assert reused.usage.prompt_tokens_details.cached_tokens == probe["num_tokens"] == 144
+        assert fresh.usage.prompt_tokens_details.cached_tokens == 0
         # Greedy decoding from reused KV gives the same answer as computing it all.
-        assert second.choices[0].message.content == first.choices[0].message.content
-        assert second.usage.completion_tokens == first.usage.completion_tokens
-        assert second.choices[0].finish_reason == first.choices[0].finish_reason
+        assert reused.choices[0].text == fresh.choices[0].text
+        assert reused.usage.completion_tokens == fresh.usage.completion_tokens > 0
