@@ -1,0 +1,110 @@
+"""The routing-policy interface: pure objects that score candidates and pick one.
+
+The live router and the simulator (loadtest) run the same policy code. A policy sees a
+``RouteRequest`` (what is being routed) and ``Candidate`` records (what is known of each
+eligible replica right now: probed reuse, load, what this router sent there and has not
+seen reflected yet) and returns a ``Decision``. It does no I/O; the caller probes, forwards
+and then reports back through ``on_routed`` / ``on_finished``.
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """A replica's load as it last reported it (a subset of the probe's ``load``)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    prefill_tokens_per_s: float = 0.0
+
+    @classmethod
+    def from_wire(cls, load: dict) -> LoadInfo:
+        return cls(**{k: load[k] for k in cls.__dataclass_fields__ if k in load})
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What is being routed.
+
+    ``keys`` are chained prefix keys of the prompt: per block of token ids when the router
+    tokenized it (our replicas), per chunk of text for back ends it cannot tokenize for
+    (``approx_prefix`` works on either). ``session_key`` comes from a header or ``user``.
+    """
+
+    request_id: str
+    num_tokens: int
+    keys: tuple[int, ...] = ()  # chained prefix keys (policies.keys), one per block/chunk
+    unit_tokens: int = 32  # tokens one key stands for (tokens_per_block, or an estimate)
+    session_key: str | None = None
+
+
+@dataclass
+class Candidate:
+    """One eligible replica, as known at decision time."""
+
+    name: str  # the replica's base URL, exactly as configured
+    reuse: int | None = None  # probed reusable tokens; None: no probe answer in time
+    reuse_before_pruning: int | None = None
+    load: LoadInfo | None = None  # from the probe, or the last known snapshot
+    in_flight: int = 0  # requests this router has open on it
+    pending_tokens: int = 0  # uncached tokens routed here that the replica has not queued yet
+    pending_reuse: int = 0  # prefix of this request that an unfinished routed prefill covers
+    score: float | None = None  # filled by the policy (lower is better)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The choice, the reason, and every candidate as scored (for /stats and logs)."""
+
+    chosen: str
+    reason: str
+    candidates: tuple[Candidate, ...] = field(default_factory=tuple)
+
+    def ranked(self) -> list[str]:
+        """Candidates best first: the order to retry in."""
+        scored = sorted(self.candidates, key=lambda c: (c.name != self.chosen,
+                                                         c.score if c.score is not None
+                                                         else float("inf")))
+        return [c.name for c in scored]
+
+
+class Policy(abc.ABC):
+    """Base of all policies. ``needs_probe``: the router probes candidates before choosing."""
+
+    name: str = ""
+    needs_probe: bool = False
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    @abc.abstractmethod
+    def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+        """Pick one of ``candidates`` (never empty)."""
+
+    def on_routed(self, request: RouteRequest, replica: str) -> None:
+        """The request was sent to ``replica`` (after retries, the one that answered)."""
+
+    def on_prefill_done(self, request: RouteRequest, replica: str) -> None:
+        """``replica`` produced the first token: the request's prompt is now in its cache."""
+
+    def on_finished(self, request: RouteRequest, replica: str) -> None:
+        """The request finished (or failed) on ``replica``."""
+
+    def forget(self, replica: str) -> None:
+        """``replica`` left the pool: drop any state kept about it."""
+
+    def _pick_lowest(self, candidates: list[Candidate], reason: str) -> Decision:
+        """Lowest score wins; ties broken at random."""
+        best = min(c.score for c in candidates)
+        tied = [c for c in candidates if c.score == best]
+        chosen = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        return Decision(chosen.name, reason, tuple(candidates))
