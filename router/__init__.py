@@ -1,0 +1,1 @@
+"""The front router: probes replicas, picks the one that will answer first, forwards."""

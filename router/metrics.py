@@ -1,0 +1,70 @@
+"""Prometheus metrics of the router (``router_*``), labelled by replica URL as configured."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from .upstream import ProbeResult
+
+_LATENCY = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25,
+            0.5, 1.0)
+_TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self, service) -> None:
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("router_decisions", "Routing decisions by chosen replica and "
+                                 "policy reason.", ["replica", "reason"], registry=r)
+        self.probe_seconds = Histogram("router_probe_latency_seconds", "Probe round trips.",
+                                       ["replica"], buckets=_LATENCY, registry=r)
+        self.probe_failures = Counter("router_probe_failures", "Probes without an answer "
+                                      "in time, by kind.", ["replica", "kind"], registry=r)
+        self.overhead = Histogram("router_overhead_seconds", "Arrival to the upstream "
+                                  "request: parsing, tokenizing, probing, choosing.",
+                                  buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("router_time_to_first_token_seconds", "Upstream request to "
+                              "first token, per replica.", ["replica"], buckets=_TTFT,
+                              registry=r)
+        self.requests = Counter("router_requests", "Requests by replica and outcome.",
+                                ["replica", "outcome"], registry=r)
+        self.prompt_tokens = Counter("router_prompt_tokens", "Prompt tokens per replica.",
+                                     ["replica"], registry=r)
+        self.reused_tokens = Counter("router_reused_tokens", "Cached prompt tokens per "
+                                     "replica (from usage).", ["replica"], registry=r)
+        self.retries = Counter("router_retries", "Attempts on a further replica.", registry=r)
+        r.register(_ReplicaState(service))
+
+    def probe(self, replica: str, result) -> None:
+        if isinstance(result, ProbeResult):
+            self.probe_seconds.labels(replica).observe(result.seconds)
+        else:
+            kind = "timeout" if isinstance(result, TimeoutError) else "error"
+            self.probe_failures.labels(replica, kind).inc()
+
+    def finished(self, replica: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.labels(replica).inc(prompt_tokens)
+        self.reused_tokens.labels(replica).inc(cached_tokens)
+
+
+class _ReplicaState:
+    """Health, circuit and in-flight gauges read at scrape time."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def collect(self):
+        healthy = GaugeMetricFamily("router_replica_healthy", "1 if the replica is eligible "
+                                    "health-wise.", labels=["replica"])
+        circuit = GaugeMetricFamily("router_replica_circuit_open", "1 while the circuit "
+                                    "breaker is open.", labels=["replica"])
+        in_flight = GaugeMetricFamily("router_replica_in_flight", "Requests open on the "
+                                      "replica.", labels=["replica"])
+        for url, rep in self.service.registry.replicas.items():
+            healthy.add_metric([url], 1.0 if rep.health.value == "healthy" else 0.0)
+            circuit.add_metric([url], 1.0 if rep.circuit.value == "open" else 0.0)
+            in_flight.add_metric([url], rep.in_flight)
+        yield healthy
+        yield circuit
+        yield in_flight

@@ -1,0 +1,156 @@
+"""One forwarding attempt: send upstream, read up to the commit point, then relay or collect.
+
+Our replicas are always asked to stream (with usage), whatever the client asked: their
+response headers then mean "queued", their first content event "prefill done", and a
+client that did not ask for a stream gets the events collected into one response. An
+attempt is *committed* once it produced its first content event (generated text, a finish
+reason, or an error); before that, nothing has reached the client and the router may retry
+elsewhere. Other back ends (``--backend openai``) are relayed as they answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+DONE = b"data: [DONE]\n\n"
+
+
+class Retryable(Exception):
+    """The attempt failed before anything reached the client: try another replica."""
+
+    def __init__(self, message: str, status: int = 502, retry_after: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class UpstreamRefused(Exception):
+    """The replica answered a deterministic client error (4xx): pass it on, no retry."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.headers = headers
+        self.replica = ""  # set by the router once it knows which replica answered
+
+
+def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    body = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def is_content(payload: bytes) -> bool:
+    """Does an SSE data payload carry generated text, a finish reason, usage or an error?
+
+    Only events before the commit point are parsed; later ones are relayed as bytes."""
+    try:
+        chunk = json.loads(payload)
+    except ValueError:
+        return True  # not ours to judge: let the client see it
+    if not isinstance(chunk, dict) or "error" in chunk or chunk.get("usage"):
+        return True
+    for choice in chunk.get("choices") or ():
+        if choice.get("finish_reason") or choice.get("text") or \
+                (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+class Attempt:
+    """A request in flight to one replica."""
+
+    def __init__(self, response: aiohttp.ClientResponse, started: float) -> None:
+        self.response = response
+        self.started = started
+        self.buffered: list[bytes] = []  # events read before the commit point
+        self.first_content_at: float | None = None
+        self.usage: dict | None = None
+        self.finished = False  # [DONE] seen
+
+    async def read_to_commit(self, timeout: float) -> None:
+        """Read events until the first content event (or the end); Retryable on failure."""
+        try:
+            async with asyncio.timeout(timeout):
+                async for event in self._events():
+                    self.buffered.append(event)
+                    if event == DONE or is_content(event[6:]):
+                        self.first_content_at = time.monotonic()
+                        return
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise Retryable(f"replica failed before its first token: {_describe(exc)}") from exc
+        raise Retryable("replica closed the stream before its first token")
+
+    async def rest(self) -> AsyncIterator[bytes]:
+        """Events after the buffered ones. Raises ConnectionError if the stream breaks."""
+        if self.finished:
+            return
+        try:
+            async for event in self._events():
+                yield event
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ConnectionError(_describe(exc)) from exc
+        if not self.finished:
+            raise ConnectionError("replica closed the stream early")
+
+    async def _events(self) -> AsyncIterator[bytes]:
+        async for line in self.response.content:
+            if not line.startswith(b"data: "):
+                continue
+            line = line.rstrip(b"\r\n")
+            if line == b"data: [DONE]":
+                self.finished = True
+                yield DONE
+                return
+            if b"\"usage\"" in line:
+                self._note_usage(line[6:])
+            yield line + b"\n\n"
+
+    def _note_usage(self, payload: bytes) -> None:
+        try:
+            usage = json.loads(payload).get("usage")
+        except ValueError:
+            return
+        if usage:
+            self.usage = usage
+
+    def close(self) -> None:
+        self.response.release() if self.finished else self.response.close()
+
+
+def collect(events: list[bytes], chat: bool) -> dict:
+    """Fold a stream of chunks into one non-streaming response body."""
+    text, finish, usage, head = [], None, None, None
+    for event in events:
+        if event == DONE:
+            continue
+        chunk = json.loads(event[6:])
+        if "error" in chunk:
+            raise ConnectionError(chunk["error"].get("message", "upstream error"))
+        head = head or chunk
+        for choice in chunk.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            if piece:
+                text.append(piece)
+            finish = choice.get("finish_reason") or finish
+        usage = chunk.get("usage") or usage
+    if head is None:
+        raise ConnectionError("replica sent no chunk")
+    content = "".join(text)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content},
+               "finish_reason": finish, "logprobs": None} if chat else
+              {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
+    return {"id": head["id"], "object": "chat.completion" if chat else "text_completion",
+            "created": head["created"], "model": head["model"], "choices": [choice],
+            "usage": usage}
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")

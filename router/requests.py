@@ -1,0 +1,166 @@
+"""Turning a client's request into what the router routes and forwards.
+
+Validation uses the replicas' wire schemas, so the router and a replica refuse the same
+inputs with the same messages. For our back end the router tokenizes once (the same
+tokenizer and template as the replicas) and forwards the token ids; internal fields are
+the router's to set, never the client's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import uuid
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from replicas.errors import APIError
+from replicas.schemas import ChatCompletionRequest, CompletionRequest
+from replicas.tokenizer import ByteTokenizer, ChatMessage
+
+from .policies import RouteRequest, block_keys, text_keys
+from .settings import RouterSettings
+
+INTERNAL_FIELDS = ("prompt_token_ids",)
+TEXT_CHUNK_CHARS = 64  # approx_prefix unit for back ends the router cannot tokenize for
+
+
+@dataclass
+class Prepared:
+    kind: str  # "completion" or "chat"
+    path: str
+    request_id: str
+    model: str | None
+    stream: bool
+    include_usage: bool
+    tokens: list[int] | None
+    salt: str | None
+    route: RouteRequest
+    body: bytes  # what goes upstream
+
+
+def parse_body(raw: bytes, kind: str):
+    """JSON body -> (dict, validated model); APIError 400 on anything malformed or not
+    supported by our replicas."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    for name in INTERNAL_FIELDS:
+        data.pop(name, None)
+    schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return data, schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = first.get("msg", "invalid value").removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def tenant_salt(secret: str | None, api_key: str | None, client_salt: str | None) -> str | None:
+    """The salt sent to replicas. With a tenant secret: HMAC(secret, API key), narrowed by
+    the client's own ``cache_salt``, so a client can split its own sharing but never reach
+    another tenant's blocks. Without one (a single tenant), the client's salt as given."""
+    if secret is None:
+        return client_salt or None
+    tenant = hmac.new(secret.encode(), (api_key or "").encode(), hashlib.sha256).hexdigest()
+    return tenant[:32] + (f"/{client_salt}" if client_salt else "")
+
+
+class RequestBuilder:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.tokenizer = ByteTokenizer()
+
+    def prepare(self, kind: str, raw: bytes, headers) -> Prepared:
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        if self.settings.backend == "openai":
+            return self._pass_through(kind, raw, headers, request_id)
+        data, req = parse_body(raw, kind)
+        api_key = _bearer(headers.get("authorization"))
+        salt = tenant_salt(self.settings.tenant_secret, api_key, req.cache_salt)
+        session = headers.get(self.settings.session_header) or req.user
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        tokens = self._tokens(req, kind)
+        limit = self.settings.max_prompt_tokens
+        if limit is not None and len(tokens) > limit:
+            raise APIError(400, f"prompt has {len(tokens)} tokens; this router accepts at "
+                           f"most {limit}", param="prompt", code="context_length_exceeded")
+        tpb = self.settings.tokens_per_block
+        route = RouteRequest(request_id, len(tokens), block_keys(tokens, tpb, salt or ""), tpb,
+                             session)
+        return Prepared(kind, _path(kind), request_id, req.model, req.stream, include_usage,
+                        tokens, salt, route, self._forward_body(data, kind, tokens, salt))
+
+    def _pass_through(self, kind: str, raw: bytes, headers, request_id: str) -> Prepared:
+        """Other back ends get the client's body unchanged; the router only reads enough of
+        it to route (model, stream, a text rendering for approx_prefix)."""
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object")
+        field = "messages" if kind == "chat" else "prompt"
+        if not data.get(field):
+            raise APIError(400, f"{field} is required and must not be empty", param=field)
+        text = json.dumps(data[field], separators=(",", ":"))
+        session = headers.get(self.settings.session_header) or data.get("user")
+        route = RouteRequest(request_id, max(1, len(text) // 4),
+                             text_keys(text, TEXT_CHUNK_CHARS), TEXT_CHUNK_CHARS // 4,
+                             session if isinstance(session, str) else None)
+        stream = data.get("stream") is True
+        include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+        model = data.get("model") if isinstance(data.get("model"), str) else None
+        return Prepared(kind, _path(kind), request_id, model, stream, include_usage, None,
+                        None, route, raw)
+
+    def _tokens(self, req, kind: str) -> list[int]:
+        if kind == "chat":
+            try:
+                return self.tokenizer.render_chat(
+                    [ChatMessage(m.role, m.text()) for m in req.messages])
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+        p = req.prompt
+        if isinstance(p, str):
+            return self.tokenizer.encode(p)
+        first = p[0]
+        if isinstance(first, str):
+            return self.tokenizer.encode(first)
+        ids = first if isinstance(first, list) else p
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt has token id {bad}, outside the vocabulary "
+                           f"[0, {vocab})", param="prompt", code="invalid_token_id")
+        return list(ids)
+
+    @staticmethod
+    def _forward_body(data: dict, kind: str, tokens: list[int], salt: str | None) -> bytes:
+        body = dict(data)
+        if kind == "completion":
+            body.pop("prompt", None)
+        body["prompt_token_ids"] = tokens
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        if salt:
+            body["cache_salt"] = salt
+        else:
+            body.pop("cache_salt", None)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _path(kind: str) -> str:
+    return "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+
+
+def _bearer(value: str | None) -> str | None:
+    if value and value.lower().startswith("bearer "):
+        return value[7:].strip() or None
+    return None

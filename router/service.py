@@ -1,0 +1,328 @@
+"""RouterService: admission and health of replicas, routing decisions, forwarding.
+
+Per request: prepare (validate, tokenize once, derive the salt) -> decide (probe the
+eligible replicas of the request's model under a deadline, let the policy choose) ->
+forward to the best replica, retrying on the next best while nothing has reached the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import aiohttp
+
+from replicas.errors import APIError
+from replicas.tokenizer import ByteTokenizer
+
+from .policies import Candidate, Decision, LoadInfo, make_policy
+from .proxy import Attempt, Retryable, UpstreamRefused
+from .registry import Health, Registry, Replica
+from .requests import Prepared, RequestBuilder
+from .settings import RouterSettings
+from .upstream import ProbeResult, Upstream, token_ids_b64
+
+log = logging.getLogger("router")
+decision_log = logging.getLogger("router.decisions")
+
+
+@dataclass
+class Routed:
+    """A decision with what the router knew when it made it (for /stats and logs)."""
+
+    at: float
+    request_id: str
+    model: str | None
+    prompt_tokens: int
+    decision: Decision
+    probe_ms: float
+    probes: dict  # replica -> probe result dict or error text
+
+
+class RetryBudget:
+    """Retries allowed in the last ``window_s``: a floor plus a share of the requests."""
+
+    def __init__(self, ratio: float, floor_per_s: float = 5.0, window_s: float = 10.0) -> None:
+        self.ratio, self.floor, self.window = ratio, floor_per_s * window_s, window_s
+        self._requests: deque[float] = deque()
+        self._retries: deque[float] = deque()
+
+    def request(self) -> None:
+        self._requests.append(time.monotonic())
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        for q in (self._requests, self._retries):
+            while q and now - q[0] > self.window:
+                q.popleft()
+        if len(self._retries) < self.floor + self.ratio * len(self._requests):
+            self._retries.append(now)
+            return True
+        return False
+
+
+class RouterService:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.tokenizer = ByteTokenizer()
+        self.builder = RequestBuilder(settings)
+        self.policy = make_policy(settings.policy, seed=settings.seed)
+        if self.policy.needs_probe and settings.backend == "openai":
+            raise ValueError(f"policy {settings.policy!r} probes replicas, which --backend "
+                             "openai servers cannot answer; use approx_prefix or a probe-free "
+                             "policy")
+        self.registry = Registry(settings.failure_threshold, settings.open_seconds)
+        self.upstream = Upstream(settings)
+        self.retries = RetryBudget(settings.retry_budget_ratio)
+        self.decisions: deque[Routed] = deque(maxlen=settings.decisions_kept)
+        self.metrics = None  # set by the app (router.metrics.RouterMetrics)
+        self._health_task: asyncio.Task | None = None
+
+    # -- life --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        for url in self.settings.replicas:
+            self.registry.add(url)
+        await asyncio.gather(*(self.check(r) for r in self.registry.replicas.values()))
+        self._health_task = asyncio.create_task(self._health_loop(), name="health")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        await self.upstream.close()
+
+    async def add_replica(self, url: str) -> Replica:
+        """Admin: add a replica; it must pass the same checks as at start-up."""
+        replica = self.registry.add(url)
+        await self.check(replica)
+        if replica.health is not Health.HEALTHY:
+            self.registry.remove(url)
+            raise APIError(400, f"replica {url} not added: {replica.problem}", param="url")
+        return replica
+
+    def remove_replica(self, url: str) -> None:
+        self.registry.remove(url)
+        self.policy.forget(url)
+
+    # -- admission and health ----------------------------------------------------------
+
+    async def check(self, replica: Replica) -> None:
+        """Health check; the first successful one also runs the admission check."""
+        ok, why = await self.upstream.is_ready(replica.url)
+        if not ok:
+            if replica.health is not Health.REFUSED:
+                replica.health, replica.problem = Health.UNHEALTHY, why
+            return
+        if replica.model is None:
+            problem = await self._admission_problem(replica)
+            if problem:
+                replica.health, replica.problem = Health.REFUSED, problem
+                log.error("refusing replica %s: %s", replica.url, problem)
+                return
+        if replica.health is not Health.HEALTHY:
+            log.info("replica %s is healthy (model %s)", replica.url, replica.model)
+        replica.health, replica.problem = Health.HEALTHY, ""
+
+    async def _admission_problem(self, replica: Replica) -> str:
+        try:
+            status, body = await self.upstream.get_json(replica.url + "/v1/models",
+                                                        self.settings.health_timeout_s)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return f"GET /v1/models failed: {type(exc).__name__}: {exc}"
+        cards = (body or {}).get("data") or []
+        if status != 200 or not cards:
+            return f"GET /v1/models answered {status} without models"
+        card = cards[0]
+        if self.settings.backend == "ours":
+            mine = self.tokenizer.fingerprint
+            if card.get("tokenizer_fingerprint") != mine:
+                return (f"tokenizer fingerprint {card.get('tokenizer_fingerprint')!r} differs "
+                        f"from the router's {mine!r}: it would read token ids differently")
+            if card.get("tokens_per_block") != self.settings.tokens_per_block:
+                return (f"tokens_per_block {card.get('tokens_per_block')} differs from the "
+                        f"router's {self.settings.tokens_per_block} (--tokens-per-block)")
+        replica.model = card.get("id")
+        return ""
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            replicas = [r for r in self.registry.replicas.values()
+                        if r.health is not Health.REFUSED]
+            await asyncio.gather(*(self.check(r) for r in replicas), return_exceptions=True)
+
+    # -- routing -----------------------------------------------------------------------
+
+    def models(self) -> set[str]:
+        return self.registry.models()
+
+    async def decide(self, p: Prepared) -> tuple[Decision, dict[str, ProbeResult | Exception]]:
+        models = self.models()
+        if p.model is not None and p.model not in models:
+            raise APIError(404, f"model {p.model!r} is not served here; models: "
+                           f"{', '.join(sorted(models)) or 'none yet'}", param="model",
+                           code="model_not_found")
+        eligible = self.registry.eligible(p.model)
+        if not eligible:
+            raise APIError(503, f"no healthy replica for model {p.model or 'any'}",
+                           type="server_error", code="no_replica",
+                           headers={"Retry-After": "1"})
+        probes: dict[str, ProbeResult | Exception] = {}
+        t0 = time.perf_counter()
+        if self.policy.needs_probe:
+            body = json.dumps({"token_ids_b64": token_ids_b64(p.tokens),
+                               "cache_salt": p.salt}).encode()
+            probes = await self.upstream.probe_all([r.url for r in eligible], body)
+        probe_ms = (time.perf_counter() - t0) * 1e3
+        candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
+        decision = self.policy.choose(p.route, candidates)
+        self._record(p, decision, probes, probe_ms)
+        return decision, probes
+
+    def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None) -> Candidate:
+        reuse = before = None
+        if isinstance(probe, ProbeResult):
+            reuse, before = probe.num_tokens, probe.num_tokens_before_hybrid_pruning
+            replica.load, replica.load_at = LoadInfo.from_wire(probe.load), time.monotonic()
+        if self.metrics is not None and probe is not None:
+            self.metrics.probe(replica.url, probe)
+        return Candidate(replica.url, reuse, before, replica.load, replica.in_flight,
+                         replica.unqueued_tokens)
+
+    def _record(self, p: Prepared, decision: Decision, probes: dict, probe_ms: float) -> None:
+        probe_view = {url: (r.__dict__ if isinstance(r, ProbeResult) else repr(r))
+                      for url, r in probes.items()}
+        self.decisions.append(Routed(time.time(), p.request_id, p.model, p.route.num_tokens,
+                                     decision, probe_ms, probe_view))
+        if decision_log.isEnabledFor(logging.INFO):
+            decision_log.info(json.dumps({
+                "event": "route", "request_id": p.request_id, "model": p.model,
+                "prompt_tokens": p.route.num_tokens, "chosen": decision.chosen,
+                "reason": decision.reason, "probe_ms": round(probe_ms, 2),
+                "candidates": [{"replica": c.name, "reuse": c.reuse, "score": c.score,
+                                "in_flight": c.in_flight} for c in decision.candidates]}))
+
+    # -- forwarding --------------------------------------------------------------------
+
+    async def open(self, p: Prepared, decision: Decision, tried: list[str]
+                   ) -> tuple[Replica, Attempt, Flight]:
+        """Try replicas best first until one reaches its first token (or answers a client
+        error). ``tried`` lists replicas that already failed this request; it grows."""
+        if not tried:
+            self.retries.request()
+        errors: list[str] = []
+        last: Retryable | None = None
+        order = [u for u in decision.ranked() if u not in tried]
+        for url in order[: max(0, self.settings.max_attempts - len(tried))]:
+            replica = self.registry.get(url)
+            if replica is None or (tried and not self.retries.allow()):
+                continue
+            if tried and self.metrics is not None:
+                self.metrics.retries.inc()
+            candidate = next(c for c in decision.candidates if c.name == url)
+            flight = Flight(self, replica, p, candidate)
+            try:
+                result = await self._attempt(p, replica, flight)
+                return replica, result, flight
+            except Retryable as exc:
+                flight.end(ok=False, why=str(exc))
+                errors.append(f"{url}: {exc}")
+                tried.append(url)
+                last = exc
+            except UpstreamRefused as exc:
+                flight.end(ok=True)
+                exc.replica = url
+                raise
+            except BaseException:
+                flight.end(ok=True)
+                raise
+        status = last.status if last is not None else 503
+        raise APIError(status, "no replica could take the request: " + "; ".join(errors),
+                       type="rate_limit_error" if status == 429 else "server_error",
+                       code="upstream_failed",
+                       headers={"Retry-After": last.retry_after or "1"} if status == 429 else None)
+
+    async def _attempt(self, p: Prepared, replica: Replica, flight: Flight) -> Attempt:
+        headers = {"content-type": "application/json", "x-request-id": p.request_id}
+        if self.settings.backend == "openai" and self.settings.backend_api_key:
+            headers["authorization"] = f"Bearer {self.settings.backend_api_key}"
+        try:
+            async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                response = await self.upstream.post(replica.url + p.path, p.body, headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise Retryable(f"could not reach the replica: {type(exc).__name__}: {exc}") from exc
+        flight.queued()
+        if response.status != 200:
+            body = await response.read()
+            response.release()
+            if response.status == 429 or response.status >= 500:
+                raise Retryable(f"replica answered {response.status}", response.status,
+                                response.headers.get("retry-after"))
+            raise UpstreamRefused(response.status, body, dict(response.headers))
+        attempt = Attempt(response, flight.started)
+        if p.stream or self.settings.backend == "ours":
+            try:
+                await attempt.read_to_commit(self.settings.first_byte_timeout_s)
+            except Retryable:
+                attempt.close()
+                raise
+            flight.first_token(attempt.first_content_at)
+        return attempt
+
+
+class Flight:
+    """Accounting for one attempt, whatever way it ends (exactly once)."""
+
+    def __init__(self, svc: RouterService, replica: Replica, p: Prepared,
+                 candidate: Candidate) -> None:
+        self.svc, self.replica, self.p = svc, replica, p
+        self.started = time.monotonic()
+        self.estimate = max(0, p.route.num_tokens - max(candidate.reuse or 0,
+                                                         candidate.pending_reuse))
+        self.probed = candidate
+        self._queued = self._ended = False
+        replica.in_flight += 1
+        replica.unqueued_tokens += self.estimate
+        svc.registry.started(replica)
+        svc.policy.on_routed(p.route, replica.url)
+
+    def queued(self) -> None:
+        if not self._queued:
+            self._queued = True
+            self.replica.unqueued_tokens -= self.estimate
+
+    def first_token(self, at: float | None) -> None:
+        self.svc.policy.on_prefill_done(self.p.route, self.replica.url)
+        if at is not None:
+            self.replica.stats.ttft_s.append(at - self.started)
+
+    def end(self, ok: bool, why: str = "", usage: dict | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.queued()
+        self.replica.in_flight -= 1
+        self.svc.policy.on_finished(self.p.route, self.replica.url)
+        if ok:
+            self.svc.registry.succeeded(self.replica)
+        else:
+            self.svc.registry.failed(self.replica, why)
+        if usage:
+            self._count(usage)
+
+    def _count(self, usage: dict) -> None:
+        stats = self.replica.stats
+        stats.requests += 1
+        stats.prompt_tokens += usage.get("prompt_tokens", 0)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+        stats.cached_tokens += cached
+        if self.probed.reuse is not None:
+            stats.probed_tokens += self.probed.reuse
+            stats.probed_tokens_before_pruning += self.probed.reuse_before_pruning or 0
+        if self.svc.metrics is not None:
+            self.svc.metrics.finished(self.replica.url, usage.get("prompt_tokens", 0), cached)

@@ -1,0 +1,103 @@
+"""Router settings: command-line flags > ``ROUTER_*`` environment > YAML file > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import yaml
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "ROUTER_"
+
+
+class RouterSettings(BaseSettings):
+    """Every setting of ``python -m router``; each field is also ``ROUTER_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    # Replica base URLs, comma-separated on the command line and in the environment.
+    replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    backend: Literal["ours", "openai"] = "ours"
+    policy: str = "prefix"
+    seed: Optional[int] = None  # random tie-breaks; set for reproducible runs
+    tokens_per_block: int = Field(default=32, ge=1)  # must match our replicas
+    # probing
+    probe_deadline_ms: float = Field(default=25.0, gt=0)
+    # health and circuit breaking
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=1.0, gt=0)
+    failure_threshold: int = Field(default=3, ge=1)  # consecutive failures that open the circuit
+    open_seconds: float = Field(default=5.0, gt=0)  # then one trial request (half-open)
+    # forwarding
+    max_attempts: int = Field(default=3, ge=1)  # first try + retries on other replicas
+    retry_budget_ratio: float = Field(default=0.2, ge=0)  # retries per request, long-run cap
+    connect_timeout_s: float = Field(default=1.0, gt=0)
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    idle_timeout_s: float = Field(default=60.0, gt=0)
+    total_timeout_s: float = Field(default=600.0, gt=0)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    max_prompt_tokens: Optional[int] = Field(default=None, ge=1)
+    # security
+    admin_token: Optional[str] = None  # admin endpoints are off unless set
+    internal_token: Optional[str] = None  # bearer token our replicas require for /probe_reuse
+    tenant_secret: Optional[str] = None  # HMAC key: tenant salts from API keys (no default)
+    backend_api_key: Optional[str] = None  # sent upstream to `--backend openai` servers
+    session_header: str = "x-session-id"
+    decisions_kept: int = Field(default=100, ge=1)  # latest routing decisions in /stats
+    log_level: str = "info"
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _split(cls, v):
+        if isinstance(v, str):
+            v = [u for u in (p.strip() for p in v.split(",")) if u]
+        return v
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        if len(set(v)) != len(v):
+            raise ValueError("a replica URL is listed twice")
+        return v
+
+
+def load_settings(cli: dict[str, Any], config_file: str | None = None) -> RouterSettings:
+    """Merge: flags given on the command line, then the environment, then the YAML file."""
+    config_file = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    from_file: dict[str, Any] = {}
+    if config_file:
+        data = yaml.safe_load(Path(config_file).read_text()) or {}
+        data = data.get("router", data)
+        if not isinstance(data, dict):
+            raise ValueError(f"{config_file}: expected a mapping of router settings")
+        from_file = {k.replace("-", "_"): v for k, v in data.items()
+                     if f"{ENV_PREFIX}{k.replace('-', '_').upper()}" not in os.environ}
+    return RouterSettings(**{**from_file, **{k: v for k, v in cli.items() if v is not None}})
+
+
+def parse_args(argv: list[str] | None = None) -> RouterSettings:
+    parser = argparse.ArgumentParser(
+        prog="python -m router",
+        description="Prefix-aware router in front of LLM replicas (OpenAI-compatible).",
+    )
+    parser.add_argument("--config", help="YAML file of settings (see config/)")
+    for name, field in RouterSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None)
+        else:
+            parser.add_argument(flag, dest=name, default=None,
+                                help=f"(env {ENV_PREFIX}{name.upper()})")
+    args = vars(parser.parse_args(argv))
+    config = args.pop("config")
+    return load_settings(args, config)

@@ -1,0 +1,62 @@
+"""``/stats``: per-replica reuse, latency, health and load, and the latest decisions."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def _percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def replica_view(rep) -> dict:
+    s = rep.stats
+    ttft = list(s.ttft_s)
+    load = rep.load.__dict__ if rep.load is not None else None
+    return {
+        "url": rep.url, "model": rep.model, "health": rep.health.value,
+        "circuit": rep.circuit.value, "draining": rep.draining, "problem": rep.problem,
+        "in_flight": rep.in_flight, "requests": s.requests, "failures": s.failures,
+        "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+        "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        "probed_tokens": s.probed_tokens,
+        "probed_tokens_before_hybrid_pruning": s.probed_tokens_before_pruning,
+        "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "load": load,
+    }
+
+
+def decision_view(routed) -> dict:
+    d = routed.decision
+    return {
+        "at": routed.at, "request_id": routed.request_id, "model": routed.model,
+        "prompt_tokens": routed.prompt_tokens, "chosen": d.chosen, "reason": d.reason,
+        "probe_ms": round(routed.probe_ms, 3),
+        "candidates": [{
+            "replica": c.name, "reuse": c.reuse,
+            "reuse_before_hybrid_pruning": c.reuse_before_pruning,
+            "pending_reuse": c.pending_reuse,
+            "queued_prefill_tokens": c.load.queued_prefill_tokens if c.load else None,
+            "running": c.load.running if c.load else None,
+            "waiting": c.load.waiting if c.load else None,
+            "in_flight": c.in_flight, "score": c.score, "note": c.note,
+        } for c in d.candidates],
+    }
+
+
+def stats_view(svc) -> dict:
+    replicas = [replica_view(r) for r in svc.registry.replicas.values()]
+    prompt = sum(r["prompt_tokens"] for r in replicas)
+    cached = sum(r["cached_tokens"] for r in replicas)
+    return {
+        "policy": svc.policy.name,
+        "backend": svc.settings.backend,
+        "totals": {"requests": sum(r["requests"] for r in replicas), "prompt_tokens": prompt,
+                   "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0},
+        "replicas": replicas,
+        "decisions": [decision_view(d) for d in reversed(svc.decisions)],
+    }
