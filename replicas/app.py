@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import random
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -47,14 +48,18 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
             raise APIError(401, "missing or wrong internal token", type="authentication_error",
                            code="invalid_token")
 
+    faults = _Faults(settings)
+
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
+        faults.maybe_fail()
         tokens = service.completion_tokens(body)
         return await _generate(service, request, body, tokens, "completion",
                                settings.default_max_tokens)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        faults.maybe_fail()
         tokens = service.chat_tokens(body)
         return await _generate(service, request, body, tokens, "chat",
                                settings.default_chat_max_tokens)
@@ -62,6 +67,8 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     @app.post("/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
               dependencies=[Depends(internal_auth)])
     async def probe_reuse(body: ProbeRequest) -> ProbeResponse:
+        if settings.fault_probe_delay_s:
+            await asyncio.sleep(settings.fault_probe_delay_s)
         return service.probe(body)
 
     @app.get("/v1/models", response_model=ModelList)
@@ -101,7 +108,10 @@ async def _generate(service: ReplicaService, request: Request, body: _Generation
     pieces = text_pieces(service, seq, body.stop)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(fmt, seq, pieces, include_usage),
+        events = _sse(fmt, seq, pieces, include_usage)
+        if service.settings.fault_cut_stream_after is not None:
+            events = _cut(events, service.settings.fault_cut_stream_after)
+        return StreamingResponse(events,
                                  media_type="text/event-stream", headers=headers)
     watcher = asyncio.create_task(_abort_on_disconnect(request, service, seq))
     try:
@@ -134,6 +144,34 @@ async def _sse(fmt: Formatter, seq: Sequence, pieces, include_usage: bool):
         yield DONE
     finally:
         await pieces.aclose()
+
+
+class _Faults:
+    """Injected failures (settings ``fault_*``), for fault tests and drills."""
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        self.rate = settings.fault_error_rate
+        self.rng = random.Random(settings.seed)
+
+    def maybe_fail(self) -> None:
+        if self.rate and self.rng.random() < self.rate:
+            raise APIError(500, "injected fault (fault_error_rate)", type="server_error")
+
+
+class InjectedStreamCut(Exception):
+    pass
+
+
+async def _cut(events, after: int):
+    """Pass ``after`` content chunks (the chat role chunk does not count), then break the
+    connection the way a crashing replica would."""
+    sent = 0
+    async for event in events:
+        if sent >= after:
+            raise InjectedStreamCut(f"stream cut after {after} chunks (fault_cut_stream_after)")
+        yield event
+        if '"role"' not in event:
+            sent += 1
 
 
 async def _abort_on_disconnect(request: Request, service: ReplicaService, seq: Sequence):

@@ -47,6 +47,10 @@ class ReplicaSettings(BaseSettings):
     sim_per_seq_prefill_s: float = Field(default=0.0005, ge=0)
     sim_decode_per_seq_s: float = Field(default=0.0004, ge=0)
     sim_speedup: float = Field(default=1.0, gt=0)
+    # fault injection for tests and drills (all off by default)
+    fault_probe_delay_s: float = Field(default=0.0, ge=0)  # sleep before answering a probe
+    fault_error_rate: float = Field(default=0.0, ge=0, le=1)  # share of completions -> 500
+    fault_cut_stream_after: Optional[int] = Field(default=None, ge=0)  # drop streams after N
     # operations
     drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
