@@ -174,10 +174,13 @@ class RouterService:
                            headers={"Retry-After": "1"})
         probes: dict[str, ProbeResult | Exception] = {}
         t0 = time.perf_counter()
-        if self.policy.needs_probe:
+        k = self.settings.probe_k
+        if self.policy.needs_probe and k != 0:
+            urls = [r.url for r in eligible]
+            targets = self.policy.probe_targets(p.route, urls, len(urls) if k is None else k)
             body = json.dumps({"token_ids_b64": token_ids_b64(p.tokens),
                                "cache_salt": p.salt}).encode()
-            probes = await self.upstream.probe_all([r.url for r in eligible], body)
+            probes = await self.upstream.probe_all(targets, body)
         probe_ms = (time.perf_counter() - t0) * 1e3
         candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
         decision = self.policy.choose(p.route, candidates)

@@ -29,6 +29,7 @@ class RouterSettings(BaseSettings):
     tokens_per_block: int = Field(default=32, ge=1)  # must match our replicas
     # probing
     probe_deadline_ms: float = Field(default=25.0, gt=0)
+    probe_k: Optional[int] = Field(default=None, ge=0)  # replicas probed per request (None: all)
     # health and circuit breaking
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)

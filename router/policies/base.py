@@ -102,6 +102,13 @@ class Policy(abc.ABC):
     def forget(self, replica: str) -> None:
         """``replica`` left the pool: drop any state kept about it."""
 
+    def probe_targets(self, request: RouteRequest, replicas: list[str], k: int) -> list[str]:
+        """Which ``k`` of ``replicas`` to probe (all when ``k >= len``): at random here;
+        policies that remember where prefixes went put those replicas first."""
+        if k >= len(replicas):
+            return list(replicas)
+        return self.rng.sample(replicas, k)
+
     def _pick_lowest(self, candidates: list[Candidate], reason: str) -> Decision:
         """Lowest score wins; ties broken at random."""
         best = min(c.score for c in candidates)

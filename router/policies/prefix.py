@@ -1,24 +1,37 @@
-"""``prefix``: the lowest estimated time to first token, from probed reuse and load.
+"""``prefix``: the lowest expected time to first token, from probed reuse and load.
 
 For each candidate replica::
 
     reuse     = max(probed reusable tokens, prefix covered by prefills this router sent
                     there that have not produced a token yet)
     queued    = replica's queued prefill tokens + tokens routed there not yet queued
-    ttft_est  = (queued + prompt_tokens - reuse) / replica's prefill tokens per second
+    uncached  = prompt_tokens - reuse
+    ttft_est  = (queued + uncached) / replica's prefill tokens per second
+    score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
-and the lowest estimate wins, ties at random. Counting the pending prefills is what keeps a
-burst of requests sharing a new prefix together: the first goes anywhere, the next ones see
-that replica about to hold the prefix (and its queue growing), so they follow it until the
-queue costs more than recomputing the prefix elsewhere.
+and the lowest score wins. Near-ties (within ``tie_s`` of the best, 1 ms by default) go to
+the replica with fewer outstanding requests, then at random: new prefixes (no reuse
+anywhere, empty queues) then spread over replicas by how busy they are, instead of by
+chance, so that no replica ends up owning too few prefixes to stay busy. The second term charges a request for the work
+it adds, which delays everything queued behind it: without it, a burst of requests sharing
+a new prefix scatters (each one's own TTFT is a hair better on an idle replica that
+computes the prefix again). With it, the burst follows the first request's replica (whose
+pending prefill the router counts) until that queue is about ``1 + new_work_weight``
+prefixes longer than elsewhere, then spills over: neither scattered nor piled onto one.
+
+With bounded fan-out (probing ``k`` of ``n`` replicas), the replicas this router sent the
+longest shared prefix to (an LRU record of prefix keys per replica, as in
+``approx_prefix``) are probed first, and the rest of the ``k`` are drawn at random, so
+that a prefix cached somewhere unexpected is still found now and then.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from .base import Candidate, Decision, Policy, RouteRequest
 from .keys import shared_units
+from .simple import outstanding
 
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 
@@ -27,8 +40,13 @@ class PrefixAware(Policy):
     name = "prefix"
     needs_probe = True
 
-    def __init__(self, rng=None) -> None:
+    def __init__(self, rng=None, new_work_weight: float = 1.0, tie_s: float = 0.001,
+                 max_keys_per_replica: int = 200_000) -> None:
         super().__init__(rng)
+        self.new_work_weight = new_work_weight
+        self.tie_s = tie_s
+        self.max_keys = max_keys_per_replica
+        self._sent: dict[str, OrderedDict[int, None]] = {}  # for choosing probe targets
         self._pending: dict[str, Counter] = {}  # replica -> block key -> unfinished prefills
         self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
 
@@ -44,12 +62,27 @@ class PrefixAware(Policy):
             rate = load.prefill_tokens_per_s if load and load.prefill_tokens_per_s > 0 \
                 else DEFAULT_PREFILL_TOKENS_PER_S
             queued = (load.queued_prefill_tokens if load else 0) + c.pending_tokens
-            c.score = (queued + max(0, request.num_tokens - reuse)) / rate
-            c.note = f"reuse {reuse}, queued {queued}"
-        decision = self._pick_lowest(candidates, "")
-        best = next(c for c in candidates if c.name == decision.chosen)
-        return Decision(best.name, f"lowest estimated TTFT {best.score * 1e3:.1f} ms "
-                        f"({best.note} of {request.num_tokens} tokens)", decision.candidates)
+            uncached = max(0, request.num_tokens - reuse)
+            ttft = (queued + uncached) / rate
+            c.score = ttft + self.new_work_weight * uncached / rate
+            c.note = f"est. TTFT {ttft * 1e3:.1f} ms: reuse {reuse}, queued {queued}"
+        low = min(c.score for c in candidates)
+        near = [c for c in candidates if c.score <= low + self.tie_s]
+        fewest = min(outstanding(c) for c in near)
+        near = [c for c in near if outstanding(c) == fewest]
+        best = near[0] if len(near) == 1 else self.rng.choice(near)
+        return Decision(best.name, f"lowest expected TTFT ({best.note} of "
+                        f"{request.num_tokens} tokens)", tuple(candidates))
+
+    def probe_targets(self, request: RouteRequest, replicas: list[str], k: int) -> list[str]:
+        if k >= len(replicas):
+            return list(replicas)
+        keys = request.keys
+        affinity = sorted(((shared_units(keys, self._sent.get(r, ())), r) for r in replicas),
+                          reverse=True)
+        chosen = [r for shared, r in affinity[: max(0, k - 1)] if shared > 0]
+        rest = [r for r in replicas if r not in chosen]
+        return chosen + self.rng.sample(rest, k - len(chosen))
 
     def on_routed(self, request: RouteRequest, replica: str) -> None:
         keys = request.keys
@@ -57,6 +90,12 @@ class PrefixAware(Policy):
             return
         self._pending.setdefault(replica, Counter()).update(keys)
         self._by_request[request.request_id] = (replica, keys)
+        sent = self._sent.setdefault(replica, OrderedDict())
+        for k in keys:
+            sent[k] = None
+            sent.move_to_end(k)
+        while len(sent) > self.max_keys:
+            sent.popitem(last=False)
 
     def on_prefill_done(self, request: RouteRequest, replica: str) -> None:
         entry = self._by_request.pop(request.request_id, None)
@@ -73,6 +112,7 @@ class PrefixAware(Policy):
 
     def forget(self, replica: str) -> None:
         self._pending.pop(replica, None)
+        self._sent.pop(replica, None)
         for rid in [r for r, (name, _) in self._by_request.items() if name == replica]:
             del self._by_request[rid]
 

@@ -1,0 +1,165 @@
+"""Policies as pure objects: exact choices for exact inputs."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.policies import (POLICIES, Candidate, LoadInfo, RouteRequest, block_keys,
+                             make_policy, text_keys)
+
+
+def req(rid="r", n=256, tokens=None, session=None, tpb=32):
+    tokens = tokens if tokens is not None else list(range(n))
+    return RouteRequest(rid, len(tokens), block_keys(tokens, tpb), tpb, session)
+
+
+def cands(*specs):
+    """specs: (name, reuse, queued, rate, in_flight)"""
+    return [Candidate(name, reuse, reuse, LoadInfo(queued_prefill_tokens=q,
+                                                   prefill_tokens_per_s=rate), inflight)
+            for name, reuse, q, rate, inflight in specs]
+
+
+def test_registry_and_unknown_names():
+    assert set(POLICIES) == {"prefix", "approx_prefix", "round_robin", "random",
+                             "least_loaded", "power_of_two", "session"}
+    with pytest.raises(ValueError, match="unknown policy 'best'; choose one of prefix"):
+        make_policy("best")
+
+
+def test_prefix_trades_reuse_against_queued_work():
+    p = make_policy("prefix", seed=0)
+    # a: 200 of 256 cached but 1000 tokens queued; b: nothing cached, idle. Same rate.
+    # score = (queued + uncached) / rate + uncached / rate
+    d = p.choose(req(), cands(("a", 200, 1000, 1000.0, 0), ("b", 0, 0, 1000.0, 0)))
+    assert d.chosen == "b"
+    assert [c.score for c in d.candidates] == [pytest.approx(1.112), pytest.approx(0.512)]
+    d = p.choose(req(), cands(("a", 200, 100, 1000.0, 0), ("b", 0, 0, 1000.0, 0)))
+    assert d.chosen == "a" and d.ranked() == ["a", "b"]
+    assert d.reason == ("lowest expected TTFT (est. TTFT 156.0 ms: reuse 200, queued 100 "
+                        "of 256 tokens)")
+
+
+def test_prefix_uses_each_replicas_own_rate_and_missing_probes():
+    p = make_policy("prefix", seed=0)
+    # "fast" did not answer its probe (reuse None: nothing known cached) but computes 256
+    # tokens at 100k/s; "slow" has half of them cached but computes at 100/s.
+    d = p.choose(req(), cands(("slow", 128, 0, 100.0, 0), ("fast", None, 0, 100000.0, 0)))
+    assert d.chosen == "fast"
+    assert {c.name: c.score for c in d.candidates} == {"slow": pytest.approx(2.56),
+                                                       "fast": pytest.approx(0.00512)}
+    # A replica that never reported a rate is assumed to prefill 10k tokens/s.
+    d = p.choose(req(), [Candidate("new", 0)])
+    assert d.candidates[0].score == pytest.approx(2 * 256 / 10_000)
+
+
+def test_prefix_ties_break_at_random_but_reproducibly():
+    picks = Counter(make_policy("prefix", seed=s).choose(
+        req(), cands(("a", 0, 0, 1e3, 0), ("b", 0, 0, 1e3, 0), ("c", 0, 0, 1e3, 0))).chosen
+        for s in range(300))
+    assert set(picks) == {"a", "b", "c"} and min(picks.values()) > 60
+    first = make_policy("prefix", seed=7).choose(req(), cands(("a", 0, 0, 1e3, 0),
+                                                              ("b", 0, 0, 1e3, 0))).chosen
+    again = make_policy("prefix", seed=7).choose(req(), cands(("a", 0, 0, 1e3, 0),
+                                                              ("b", 0, 0, 1e3, 0))).chosen
+    assert first == again
+
+
+def test_prefix_burst_of_a_new_prefix_follows_the_first_request():
+    """Nothing cached anywhere yet: the first request goes anywhere; the next ones see the
+    prefill this router sent there and follow it, until that queue is about two prefixes
+    (1 + new_work_weight) longer than elsewhere; then they spill to a second replica."""
+    p = make_policy("prefix", seed=1)
+    shared = list(range(1024))
+    queued = {"a": 0, "b": 0, "c": 0, "d": 0}
+    chosen = []
+    for i in range(40):
+        r = req(f"r{i}", tokens=shared + [5000 + i] * 32)
+        cs = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e4), 0, queued[n])
+              for n in queued]
+        d = p.choose(r, cs)
+        uncached = r.num_tokens - next(c for c in cs if c.name == d.chosen).pending_reuse
+        queued[d.chosen] += uncached  # routed, not yet queued on the replica
+        p.on_routed(r, d.chosen)
+        chosen.append(d.chosen)
+    first = chosen[0]
+    # Follower k adds 32 tokens: it stays while 1056 + 32 (k - 1) + 2 * 32 < 2 * 1056.
+    assert chosen[:31] == [first] * 31
+    assert len(set(chosen)) == 2 and chosen[-1] != first
+    p.on_prefill_done(req("r0", tokens=shared + [5000] * 32), first)
+    assert p.pending_requests() == 39
+
+
+def test_prefix_pending_reuse_is_dropped_when_done_or_forgotten():
+    p = make_policy("prefix", seed=1)
+    r = req("x", n=320)
+    p.on_routed(r, "a")
+    c = [Candidate("a", 0, 0, LoadInfo(prefill_tokens_per_s=1e3)),
+         Candidate("b", 0, 0, LoadInfo(prefill_tokens_per_s=1e3))]
+    assert p.choose(req("y", n=320), c).chosen == "a"
+    assert c[0].pending_reuse == 319  # capped: the last token is always computed
+    p.on_prefill_done(r, "a")
+    assert p.pending_requests() == 0
+    p.on_routed(r, "a")
+    p.forget("a")
+    assert p.pending_requests() == 0
+
+
+def test_bounded_fan_out_probes_replicas_with_affinity_first():
+    p = make_policy("prefix", seed=2)
+    replicas = [f"r{i}" for i in range(10)]
+    p.on_routed(req("old", n=512), "r7")
+    p.on_prefill_done(req("old", n=512), "r7")
+    targets = p.probe_targets(req("new", n=512), replicas, 3)
+    assert targets[0] == "r7" and len(set(targets)) == 3
+    assert p.probe_targets(req("new"), replicas, 20) == replicas
+
+
+def test_round_robin_cycles_in_name_order():
+    p = make_policy("round_robin")
+    cs = cands(("b", 0, 0, 1, 0), ("a", 0, 0, 1, 0), ("c", 0, 0, 1, 0))
+    assert [p.choose(req(), cs).chosen for _ in range(5)] == ["a", "b", "c", "a", "b"]
+
+
+def test_least_loaded_and_power_of_two():
+    cs = cands(("a", 0, 0, 1, 5), ("b", 0, 0, 1, 1), ("c", 0, 0, 1, 3))
+    assert make_policy("least_loaded", seed=0).choose(req(), cs).chosen == "b"
+    p2 = make_policy("power_of_two", seed=0)
+    picks = Counter(p2.choose(req(), cands(("a", 0, 0, 1, 5), ("b", 0, 0, 1, 1),
+                                            ("c", 0, 0, 1, 3))).chosen for _ in range(300))
+    assert picks["a"] == 0  # the busiest never wins a pair
+    assert picks["b"] > picks["c"] > 0
+
+
+def test_session_affinity_is_stable_and_moves_little():
+    p = make_policy("session")
+    names = [f"r{i}" for i in range(5)]
+    mk = lambda ns: [Candidate(n) for n in ns]
+    homes = {k: p.choose(req(session=k), mk(names)).chosen for k in map(str, range(200))}
+    assert homes == {k: p.choose(req(session=k), mk(names)).chosen for k in homes}
+    without = {k: p.choose(req(session=k), mk(names[:-1])).chosen for k in homes}
+    moved = [k for k in homes if homes[k] != without[k]]
+    assert all(homes[k] == "r4" for k in moved)  # only the removed replica's sessions move
+    assert p.choose(req(session=None), mk(names)).reason == "no session key: round robin"
+
+
+def test_approx_prefix_follows_what_it_sent_unless_load_is_out_of_balance():
+    p = make_policy("approx_prefix", seed=0, balance_abs=4, balance_rel=1.5)
+    long = req("1", n=640)
+    p.on_routed(long, "b")
+    assert p.choose(req("2", n=640), cands(("a", None, 0, 1, 0), ("b", None, 0, 1, 2))
+                    ).chosen == "b"
+    d = p.choose(req("3", n=640), cands(("a", None, 0, 1, 0), ("b", None, 0, 1, 9)))
+    assert d.chosen == "a" and d.reason.startswith("load out of balance")
+    d = p.choose(req("4", tokens=[7] * 640), cands(("a", None, 0, 1, 1), ("b", None, 0, 1, 0)))
+    assert d.chosen == "b" and d.reason.startswith("no prefix sent before")
+
+
+def test_keys_chain_over_scope_and_prefix():
+    a, b = list(range(96)), list(range(64)) + [0] * 32
+    ka, kb = block_keys(a, 32), block_keys(b, 32)
+    assert len(ka) == 3 and ka[:2] == kb[:2] and ka[2] != kb[2]
+    assert block_keys(a, 32, "tenant-a")[0] != ka[0]
+    assert len(block_keys(list(range(95)), 32)) == 2
+    assert text_keys("x" * 130, 64)[:2] == text_keys("x" * 128 + "yy", 64)[:2]
