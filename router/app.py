@@ -155,7 +155,8 @@ async def _route(svc: RouterService, request: Request, kind: str):
         svc.metrics.decisions.labels(replica.url, reason).inc()
         return StreamingResponse(_relay(svc, attempt, flight, p), media_type="text/event-stream",
                                  headers=_headers(replica.url, p))
-    task = asyncio.ensure_future(_collect(svc, p, decision, tried, arrived, reason))
+    task = asyncio.ensure_future(asyncio.wait_for(
+        _collect(svc, p, decision, tried, arrived, reason), svc.settings.total_timeout_s))
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -164,7 +165,11 @@ async def _route(svc: RouterService, request: Request, kind: str):
     if not task.done():  # the client went away: cancelling closes the upstream request
         task.cancel()
         return Response(status_code=499)
-    return task.result()
+    try:
+        return task.result()
+    except asyncio.TimeoutError:
+        raise APIError(504, f"no complete answer within {svc.settings.total_timeout_s:g} s "
+                       "(total_timeout_s)", type="server_error", code="timeout") from None
 
 
 async def _open(svc: RouterService, p: Prepared, decision, tried: list[str], arrived: float):
@@ -220,10 +225,17 @@ async def _relay(svc: RouterService, attempt: Attempt, flight: Flight, p: Prepar
         for event in attempt.buffered:
             if not (drop_usage and _usage_only(event)):
                 yield event
-        async for event in attempt.rest():
-            if not (drop_usage and _usage_only(event)):
-                yield event
+        async with asyncio.timeout_at(flight.started + svc.settings.total_timeout_s):
+            async for event in attempt.rest():
+                if not (drop_usage and _usage_only(event)):
+                    yield event
         flight.end(ok=True, usage=attempt.usage)
+    except TimeoutError:
+        outcome = "timeout"
+        flight.end(ok=True)
+        yield error_event(f"no complete answer within {svc.settings.total_timeout_s:g} s "
+                          "(total_timeout_s)", code="timeout")
+        yield DONE
     except ConnectionError as exc:
         outcome = "broken"
         flight.end(ok=False, why=f"stream broke: {exc}")

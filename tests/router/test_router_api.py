@@ -104,3 +104,16 @@ def test_stats_and_metrics_name_replicas_as_configured(live, client):
     for url in urls:
         assert f'router_replica_healthy{{replica="{url}"}} 1.0' in metrics
     assert "router_overhead_seconds_count" in metrics
+
+
+def test_internal_fields_from_clients_are_ignored(live):
+    r = httpx.post(live[0].url + "/v1/completions", json={
+        "prompt": "abc", "prompt_token_ids": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 1})
+    assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens"] == 4  # BOS + "abc": the router tokenized
+
+
+def test_unknown_fields_pass_through(live):
+    r = httpx.post(live[0].url + "/v1/completions", json={
+        "prompt": "abc", "max_tokens": 1, "ignore_eos": True, "vendor": {"x": [1]}})
+    assert r.status_code == 200

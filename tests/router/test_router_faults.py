@@ -121,3 +121,40 @@ def test_replica_answering_500s_is_retried_and_its_circuit_opens():
         bad = next(x for x in httpx.get(router.url + "/stats").json()["replicas"]
                    if x["url"] == reps[0].url)
         assert bad["circuit"] == "open" and bad["failures"] == 2
+
+
+def test_client_disconnect_cancels_the_upstream_request():
+    with cluster(1, ("--sim-step-overhead-s", "0.02", "--tokens-per-block", "16"),
+                 ("--tokens-per-block", "16")) as (router, reps):
+        rep_stats = lambda: httpx.get(reps[0].url + "/stats").json()
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=10,
+                          json={"prompt": "long", "max_tokens": 500, "stream": True}) as r:
+            lines = r.iter_lines()
+            [next(lines) for _ in range(4)]
+            assert rep_stats()["scheduler"]["running"] == 1
+        deadline = time.monotonic() + 1.0  # 500 tokens at 20 ms would take 10 s
+        while rep_stats()["kv_cache"]["used_pages"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rep_stats()["kv_cache"]["used_pages"] == 0
+        assert rep_stats()["scheduler"]["running"] == 0
+        # Not streaming: the router watches for the disconnect too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(router.url + "/v1/completions", timeout=0.3,
+                       json={"prompt": "long again", "max_tokens": 500})
+        deadline = time.monotonic() + 1.0
+        while rep_stats()["scheduler"]["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert rep_stats()["scheduler"]["running"] == 0
+
+
+def test_total_timeout_ends_requests_cleanly():
+    with cluster(1, ("--sim-step-overhead-s", "0.02",), ("--total-timeout-s", "0.5")
+                 ) as (router, reps):
+        r = httpx.post(router.url + "/v1/completions", timeout=10,
+                       json={"prompt": "slow", "max_tokens": 200})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        with httpx.stream("POST", router.url + "/v1/completions", timeout=10,
+                          json={"prompt": "slow", "max_tokens": 200, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "timeout"
