@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test bench clean
+.PHONY: setup run demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
+	$(PY) -m loadtest cluster --replicas 3 --port 8000
+
+demo: setup
 	$(PY) -m kvcache.demo
 
 test: setup

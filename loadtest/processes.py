@@ -31,8 +31,8 @@ class ServerProcess:
 
     def __init__(self, module: str, *args: str, env: dict[str, str] | None = None,
                  ready_path: str = "/ready", timeout: float = 60.0,
-                 log_dir: Path | None = None) -> None:
-        self.port = free_port()
+                 log_dir: Path | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = (log_dir or ROOT / "artifacts") / f"{module}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,61 @@
+"""``python -m loadtest COMMAND``: see ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+
+import httpx
+
+from .cluster import LocalCluster
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    replica_args = ["--engine", args.engine, *shlex.split(args.replica_args)]
+    print(f"starting {args.replicas} {args.engine} replicas and a router "
+          f"(policy {args.policy}) ...", flush=True)
+    with LocalCluster(args.replicas, args.policy, replica_args,
+                      router_port=args.port or None) as c:
+        url = c.router.url
+        print(f"router     {url}   (stats {url}/stats, metrics {url}/metrics)")
+        for r in c.replicas:
+            print(f"replica    {r.url}")
+        demo = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16})
+        body = demo.json()
+        print(f"\nPOST /v1/chat/completions -> {demo.status_code} via "
+              f"{demo.headers.get('x-replica')}:\n{json.dumps(body, indent=2)}")
+        print(f"\ntry: curl {url}/v1/chat/completions -H 'content-type: application/json' "
+              "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'")
+        if args.seconds is not None:
+            time.sleep(args.seconds)
+            return 0
+        print("Ctrl-C stops the cluster.", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("cluster", help="run a local router with replicas until Ctrl-C")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--engine", choices=["sim", "torch"], default="sim")
+    p.add_argument("--policy", default="prefix")
+    p.add_argument("--port", type=int, default=8000, help="router port (0: any free port)")
+    p.add_argument("--replica-args", default="", help="extra replica flags, one string")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    p.set_defaults(func=cmd_cluster)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
