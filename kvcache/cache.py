@@ -183,8 +183,7 @@ class KVCache:
 
     def _hold_reused(self) -> None:
         """Hold the reused blocks and reference the pages this sequence will read."""
-        for block in self._path:
-            self._tree.hold(block)
+        self._tree.hold_all(self._path)
         reused = self.num_reused_tokens
         for pool, table in self._tables.items():
             first, sinks = 0, 0

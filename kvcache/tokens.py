@@ -29,13 +29,12 @@ def as_token_array(tokens: Sequence[int] | array) -> array:
 
 
 def common_prefix_tokens(a: bytes, b: bytes) -> int:
-    """Number of leading tokens two keys share (binary search on slice equality)."""
-    n = min(len(a), len(b)) // TOKEN_BYTES
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """Number of leading tokens two keys share.
+
+    The XOR of the two prefixes read as big-endian integers has its highest set bit in
+    the first byte where they differ; one C-level pass instead of a loop in Python.
+    """
+    n = min(len(a), len(b))
+    diff = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    same_bytes = n if diff == 0 else n - (diff.bit_length() + 7) // 8
+    return same_bytes // TOKEN_BYTES

@@ -142,6 +142,15 @@ class BlockTree:
                     self.reclaimable[pool] -= 1
         block.holders += 1
 
+    def hold_all(self, blocks: list[Block]) -> None:
+        reclaimable = self.reclaimable
+        for block in blocks:
+            if block.holders == 0:
+                for pool, page in enumerate(block.pages):
+                    if page is not None:
+                        reclaimable[pool] -= 1
+            block.holders += 1
+
     def release(self, block: Block, tick: int) -> None:
         block.holders -= 1
         if block.holders:

@@ -10,9 +10,11 @@ For each candidate replica::
     score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
 and the lowest score wins. Near-ties (within ``tie_s`` of the best, 1 ms by default) go to
-the replica with fewer outstanding requests, then at random: new prefixes (no reuse
-anywhere, empty queues) then spread over replicas by how busy they are, instead of by
-chance, so that no replica ends up owning too few prefixes to stay busy. The second term charges a request for the work
+the replica with fewer outstanding requests, then to the one this router gave the least
+prefill work lately (uncached tokens routed, decaying by ``work_decay`` per routed
+request), then at random: new prefixes (no reuse anywhere, empty queues) then spread over
+replicas evenly instead of by chance, so that no replica ends up owning too few or too
+many prefixes. The second term charges a request for the work
 it adds, which delays everything queued behind it: without it, a burst of requests sharing
 a new prefix scatters (each one's own TTFT is a hair better on an idle replica that
 computes the prefix again). With it, the burst follows the first request's replica (whose
@@ -41,12 +43,19 @@ class PrefixAware(Policy):
     needs_probe = True
 
     def __init__(self, rng=None, new_work_weight: float = 1.0, tie_s: float = 0.001,
-                 max_keys_per_replica: int = 200_000) -> None:
+                 work_decay: float = 0.995, max_keys_per_replica: int = 200_000) -> None:
         super().__init__(rng)
         self.new_work_weight = new_work_weight
         self.tie_s = tie_s
+        self.work_decay = work_decay
+        self._routed = 0  # requests routed so far: the clock of the work decay
+        self._work: dict[str, tuple[float, int]] = {}  # replica -> (work, at _routed)
+        # request -> (replica, uncached) between choose() and on_routed(); bounded in case a
+        # chosen request is never sent
+        self._uncached: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self.max_keys = max_keys_per_replica
         self._sent: dict[str, OrderedDict[int, None]] = {}  # for choosing probe targets
+        self._track_sent = False
         self._pending: dict[str, Counter] = {}  # replica -> block key -> unfinished prefills
         self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
 
@@ -68,15 +77,25 @@ class PrefixAware(Policy):
             c.note = f"est. TTFT {ttft * 1e3:.1f} ms: reuse {reuse}, queued {queued}"
         low = min(c.score for c in candidates)
         near = [c for c in candidates if c.score <= low + self.tie_s]
-        fewest = min(outstanding(c) for c in near)
-        near = [c for c in near if outstanding(c) == fewest]
+        if len(near) > 1:
+            fewest = min(outstanding(c) for c in near)
+            near = [c for c in near if outstanding(c) == fewest]
+        if len(near) > 1:
+            work = {c.name: self._recent_work(c.name) for c in near}
+            least = min(work.values())
+            near = [c for c in near if work[c.name] <= least + 1.0]
         best = near[0] if len(near) == 1 else self.rng.choice(near)
+        uncached = request.num_tokens - max(best.reuse or 0, best.pending_reuse)
+        self._uncached[request.request_id] = (best.name, uncached)
+        if len(self._uncached) > 4096:
+            self._uncached.popitem(last=False)
         return Decision(best.name, f"lowest expected TTFT ({best.note} of "
                         f"{request.num_tokens} tokens)", tuple(candidates))
 
     def probe_targets(self, request: RouteRequest, replicas: list[str], k: int) -> list[str]:
         if k >= len(replicas):
             return list(replicas)
+        self._track_sent = True  # bounded fan-out: remember where prefixes went from now on
         keys = request.keys
         affinity = sorted(((shared_units(keys, self._sent.get(r, ())), r) for r in replicas),
                           reverse=True)
@@ -84,12 +103,21 @@ class PrefixAware(Policy):
         rest = [r for r in replicas if r not in chosen]
         return chosen + self.rng.sample(rest, k - len(chosen))
 
+    def _recent_work(self, replica: str) -> float:
+        work, at = self._work.get(replica, (0.0, self._routed))
+        return work * self.work_decay ** (self._routed - at)
+
     def on_routed(self, request: RouteRequest, replica: str) -> None:
+        chosen, uncached = self._uncached.pop(request.request_id, (replica, request.num_tokens))
+        self._routed += 1
+        self._work[replica] = (self._recent_work(replica) + uncached, self._routed)
         keys = request.keys
         if not keys:
             return
         self._pending.setdefault(replica, Counter()).update(keys)
         self._by_request[request.request_id] = (replica, keys)
+        if not self._track_sent:
+            return
         sent = self._sent.setdefault(replica, OrderedDict())
         for k in keys:
             sent[k] = None
@@ -103,9 +131,11 @@ class PrefixAware(Policy):
             return
         pending = self._pending.get(entry[0])
         if pending is not None:
-            pending.subtract(entry[1])
             for k in entry[1]:
-                if pending[k] <= 0:
+                left = pending[k] - 1
+                if left:
+                    pending[k] = left
+                else:
                     del pending[k]
 
     on_finished = on_prefill_done
@@ -113,6 +143,7 @@ class PrefixAware(Policy):
     def forget(self, replica: str) -> None:
         self._pending.pop(replica, None)
         self._sent.pop(replica, None)
+        self._work.pop(replica, None)
         for rid in [r for r, (name, _) in self._by_request.items() if name == replica]:
             del self._by_request[rid]
 

@@ -109,6 +109,7 @@ def test_prefix_pending_reuse_is_dropped_when_done_or_forgotten():
 def test_bounded_fan_out_probes_replicas_with_affinity_first():
     p = make_policy("prefix", seed=2)
     replicas = [f"r{i}" for i in range(10)]
+    p.probe_targets(req("first", n=64), replicas, 3)  # bounded fan-out starts the record
     p.on_routed(req("old", n=512), "r7")
     p.on_prefill_done(req("old", n=512), "r7")
     targets = p.probe_targets(req("new", n=512), replicas, 3)
