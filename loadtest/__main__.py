@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from . import driver, workloads
 from .cluster import LocalCluster
 
 
@@ -42,6 +43,14 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        return driver.run_command(args)
+    except (ValueError, OSError, RuntimeError) as exc:  # bad flags, files, or server
+        print(f"loadtest run: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica-args", default="", help="extra replica flags, one string")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")
     p.set_defaults(func=cmd_cluster)
+    p = sub.add_parser("run", help="drive a workload against an OpenAI-compatible URL, "
+                       "print a report and write it as JSON (see loadtest/report.py)")
+    workloads.add_workload_arguments(p)
+    driver.add_driver_arguments(p)
+    p.set_defaults(func=cmd_run)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -58,6 +58,7 @@ class Candidate:
     pending_tokens: int = 0  # uncached tokens routed here that the replica has not queued yet
     pending_reuse: int = 0  # prefix of this request that an unfinished routed prefill covers
     score: float | None = None  # filled by the policy (lower is better)
+    tie: float = 0.0  # scores closer than this to the best count as ties
     note: str = ""
 
 

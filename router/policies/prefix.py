@@ -9,7 +9,8 @@ For each candidate replica::
     ttft_est  = (queued + uncached) / replica's prefill tokens per second
     score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
-and the lowest score wins. Near-ties (within ``tie_s`` of the best, 1 ms by default) go to
+and the lowest score wins. Near-ties (within one key unit, a block of tokens, of prefill at
+the best replica's rate: scale-free, so fast hardware does not blur real reuse) go to
 the replica with fewer outstanding requests, then to the one this router gave the least
 prefill work lately (uncached tokens routed, decaying by ``work_decay`` per routed
 request), then at random: new prefixes (no reuse anywhere, empty queues) then spread over
@@ -42,11 +43,10 @@ class PrefixAware(Policy):
     name = "prefix"
     needs_probe = True
 
-    def __init__(self, rng=None, new_work_weight: float = 1.0, tie_s: float = 0.001,
-                 work_decay: float = 0.995, max_keys_per_replica: int = 200_000) -> None:
+    def __init__(self, rng=None, new_work_weight: float = 1.0, work_decay: float = 0.995,
+                 max_keys_per_replica: int = 200_000) -> None:
         super().__init__(rng)
         self.new_work_weight = new_work_weight
-        self.tie_s = tie_s
         self.work_decay = work_decay
         self._routed = 0  # requests routed so far: the clock of the work decay
         self._work: dict[str, tuple[float, int]] = {}  # replica -> (work, at _routed)
@@ -74,9 +74,10 @@ class PrefixAware(Policy):
             uncached = max(0, request.num_tokens - reuse)
             ttft = (queued + uncached) / rate
             c.score = ttft + self.new_work_weight * uncached / rate
+            c.tie = request.unit_tokens / rate
             c.note = f"est. TTFT {ttft * 1e3:.1f} ms: reuse {reuse}, queued {queued}"
-        low = min(c.score for c in candidates)
-        near = [c for c in candidates if c.score <= low + self.tie_s]
+        best = min(candidates, key=lambda c: c.score)
+        near = [c for c in candidates if c.score <= best.score + best.tie]
         if len(near) > 1:
             fewest = min(outstanding(c) for c in near)
             near = [c for c in near if outstanding(c) == fewest]
