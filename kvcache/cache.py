@@ -151,16 +151,19 @@ class KVCache:
         if tail is not None:
             held.append(tail)
         for pool, table in self._tables.items():
+            p = self._pools[pool]
+            refs, block_of = p.refs, p.block_of
             for page in table:
-                if page is not None:
-                    self._unref(pool, page, keep_attached=True)
+                if page is None:
+                    continue
+                refs[page] -= 1
+                if not refs[page] and block_of[page] is None:
+                    p.give_back(page)  # private: nobody else can want it
         if self._live_page is not None:
             self._unref(self._mgr.layout.recurrent, self._live_page, keep_attached=True)
         if self._partial_source is not None:
             self._unref_attention_pages(self._partial_source)
-        tick = self._mgr._next_tick()
-        for block in held:
-            self._tree.release(block, tick)
+        self._tree.release_all(held, self._mgr._next_tick())
         self._mgr._forget(self)
 
     def __enter__(self) -> KVCache:
@@ -191,11 +194,14 @@ class KVCache:
                 if window_pool == pool:
                     first, sinks = max(0, (reused + 1 - window) // self._tpb), sink_blocks
                     self._released_upto[pool] = first
-            for index, block in enumerate(self._path):
-                page = block.pages[pool] if (index >= first or index < sinks) else None
+            pages = [block.pages[pool] for block in self._path]
+            for index in range(sinks, min(first, len(pages))):
+                pages[index] = None  # out of the window at the reuse point: not read
+            refs = self._pools[pool].refs
+            for page in pages:
                 if page is not None:
-                    self._pools[pool].refs[page] += 1
-                table.append(page)
+                    refs[page] += 1
+            table.extend(pages)
         if self._partial_source is not None:
             self._tree.hold(self._partial_source)
             for pool in self._tables:

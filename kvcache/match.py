@@ -78,9 +78,15 @@ class Matcher:
 
     def _walk(self, node: Block, data: bytes) -> list[Block]:
         step = self._tpb * TOKEN_BYTES
-        path: list[Block] = []
-        for start in range(0, len(data) - step + 1, step):
-            node = node.children.get(data[start:start + step])  # type: ignore[assignment]
+        if len(data) < step:
+            return []
+        first = node.children.get(data[:step])
+        if first is None:
+            return []  # the common miss: one lookup, no splitting
+        path = [first]
+        node = first
+        for chunk in [data[i:i + step] for i in range(step, len(data) - step + 1, step)]:
+            node = node.children.get(chunk)  # type: ignore[assignment]
             if node is None:
                 break
             path.append(node)

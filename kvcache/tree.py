@@ -151,6 +151,19 @@ class BlockTree:
                         reclaimable[pool] -= 1
             block.holders += 1
 
+    def release_all(self, blocks: list[Block], tick: int) -> None:
+        """``release`` each of ``blocks`` (root to leaf order)."""
+        reclaimable = self.reclaimable
+        for block in blocks:
+            block.holders -= 1
+            if block.holders:
+                continue
+            block.tick = tick
+            for pool, page in enumerate(block.pages):
+                if page is not None:
+                    reclaimable[pool] += 1
+            self._became_candidate(block)
+
     def release(self, block: Block, tick: int) -> None:
         block.holders -= 1
         if block.holders:

@@ -12,6 +12,7 @@ import time
 import httpx
 
 from . import driver, workloads
+from . import simulate_cli
 from .cluster import LocalCluster
 
 
@@ -67,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     workloads.add_workload_arguments(p)
     driver.add_driver_arguments(p)
     p.set_defaults(func=cmd_run)
+    p = sub.add_parser("simulate", help="compare policies in the discrete-event simulator "
+                       "(no HTTP): hit rate, TTFT, imbalance, pooled and infinite bounds",
+                       description=simulate_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    simulate_cli.add_arguments(p)
+    p.set_defaults(func=simulate_cli.run)
     args = parser.parse_args(argv)
     return args.func(args)
 

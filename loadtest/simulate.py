@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 
 from kvcache import CacheConfig, FullAttention, KVCacheManager, ReuseScope
 from replicas.engines.sim import SimTiming
+from replicas.tokenizer import ByteTokenizer, ChatMessage
 from router.policies import Candidate, LoadInfo, Policy, RouteRequest, block_keys, make_policy
+
+from .workloads import Request
 
 _OUTPUT_TOKEN = 97  # what simulated replicas "generate": its KV is committed like any token
 
@@ -128,6 +131,7 @@ class Simulation:
         self.ttft: list[float] = []
         self.e2e: list[float] = []
         self.cached = self.prompt = 0
+        self._session_busy: dict[str, deque[SimRequest]] = {}  # session -> turns held back
 
     def run(self, requests: Sequence[SimRequest],
             progress: Callable[[int, int], None] | None = None) -> SimResult:
@@ -154,6 +158,12 @@ class Simulation:
         heapq.heappush(self._events, (at, self._seq, fn, arg))
 
     def _arrive(self, req: SimRequest) -> bool:
+        if req.session is not None:
+            held = self._session_busy.get(req.session)
+            if held is not None:  # the previous turn has not finished: wait for it
+                held.append(req)
+                return False
+            self._session_busy[req.session] = deque()
         route = RouteRequest(req.request_id, len(req.tokens),
                              block_keys(req.tokens, self.cfg.tokens_per_block, req.scope),
                              self.cfg.tokens_per_block, req.session)
@@ -236,7 +246,21 @@ class Simulation:
         self.e2e.append(self.now - item.req.arrival_s)
         self.policy.on_finished(item.route, rep.name)
         self._start_prefill(rep)
+        session = item.req.session
+        if session is not None:
+            held = self._session_busy.pop(session)
+            if held:
+                nxt = held.popleft()
+                self._session_busy[session] = held
+                self._push(self.now, self._resume_turn, nxt)
         return True
+
+    def _resume_turn(self, req: SimRequest) -> bool:
+        req.arrival_s = self.now  # a client sends its next turn when the last one ended
+        held = self._session_busy.pop(req.session)
+        self._arrive(req)
+        self._session_busy[req.session].extend(held)
+        return False
 
     def _by_name(self) -> dict[str, SimReplica]:
         cache = getattr(self, "_names", None)
@@ -271,3 +295,25 @@ def bound_hit_rate(requests: Sequence[SimRequest], num_pages: int | None,
 def simulate(requests: Sequence[SimRequest], policy: str, cfg: SimConfig,
              progress: Callable[[int, int], None] | None = None) -> SimResult:
     return Simulation(cfg, make_policy(policy, seed=cfg.seed)).run(requests, progress)
+
+
+def to_sim_requests(requests: Sequence[Request], offsets: Sequence[float | None]
+                    ) -> list[SimRequest]:
+    """Workload requests as token ids (the replicas' tokenizer and template), with arrival
+    times; requests of one session keep their order (a later turn never arrives first)."""
+    tok = ByteTokenizer()
+    out = []
+    last_in_session: dict[str, float] = {}
+    for req, at in zip(requests, offsets):
+        if req.prompt is not None:
+            ids = tok.encode(req.prompt)
+        else:
+            ids = tok.render_chat([ChatMessage(m["role"], m["content"]) for m in req.messages])
+        at = at if at is not None else 0.0
+        if req.session is not None:
+            at = max(at, last_in_session.get(req.session, 0.0))
+            last_in_session[req.session] = at
+        out.append(SimRequest(array("I", ids), req.max_tokens, at, req.request_id,
+                              req.session))
+    out.sort(key=lambda r: r.arrival_s)
+    return out

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LoadInfo:
     """A replica's load as it last reported it (a subset of the probe's ``load``)."""
 

@@ -30,7 +30,7 @@ that a prefix cached somewhere unexpected is still found now and then.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 from .base import Candidate, Decision, Policy, RouteRequest
 from .keys import shared_units
@@ -56,7 +56,7 @@ class PrefixAware(Policy):
         self.max_keys = max_keys_per_replica
         self._sent: dict[str, OrderedDict[int, None]] = {}  # for choosing probe targets
         self._track_sent = False
-        self._pending: dict[str, Counter] = {}  # replica -> block key -> unfinished prefills
+        self._pending: dict[str, dict[int, int]] = {}  # replica -> key -> unfinished prefills
         self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
@@ -115,7 +115,9 @@ class PrefixAware(Policy):
         keys = request.keys
         if not keys:
             return
-        self._pending.setdefault(replica, Counter()).update(keys)
+        pending = self._pending.setdefault(replica, {})
+        for k in keys:
+            pending[k] = pending.get(k, 0) + 1
         self._by_request[request.request_id] = (replica, keys)
         if not self._track_sent:
             return

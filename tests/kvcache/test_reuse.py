@@ -247,3 +247,13 @@ def test_probe_predicts_create_over_random_histories(life_cycles, partial):
     stats = mgr.stats()
     assert stats.used_pages == 0 and stats.reuse_queries == 400
     assert stats.hit_tokens == reused_total > 0
+
+
+def test_a_lookup_shorter_than_a_block_never_matches_as_a_full_block():
+    mgr = manager()
+    serve(mgr, seq(0, 20))                  # stores a 20-token partial block
+    assert mgr.probe_reuse(seq(0, 20)).num_tokens == 20   # through partial matching
+    assert mgr.probe_reuse(seq(0, 20) + [999] * 40).num_tokens == 20
+    off = manager(partial=False)
+    serve(off, seq(0, 20))
+    assert off.probe_reuse(seq(0, 20)).num_tokens == 0
