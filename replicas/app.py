@@ -66,10 +66,10 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
 
     @app.post("/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
               dependencies=[Depends(internal_auth)])
-    async def probe_reuse(body: ProbeRequest) -> ProbeResponse:
+    async def probe_reuse(body: ProbeRequest):
         if settings.fault_probe_delay_s:
             await asyncio.sleep(settings.fault_probe_delay_s)
-        return service.probe(body)
+        return JSONResponse(service.probe(body))  # a Response: no second serialization
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -115,9 +115,13 @@ class _GenerationParams(_Request):
 class CompletionRequest(_GenerationParams):
     prompt: Union[str, list[int], list[str], list[list[int]], None] = None
     prompt_token_ids: Optional[list[int]] = None
+    # Base64 of little-endian uint32 ids: what the router sends (compact, fast to parse).
+    prompt_token_ids_b64: Optional[str] = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
+        if self.prompt_token_ids_b64 is not None:
+            return self
         if self.prompt_token_ids is not None:
             if not self.prompt_token_ids:
                 raise ValueError("prompt_token_ids must not be empty")
@@ -135,7 +139,9 @@ class CompletionRequest(_GenerationParams):
 
 class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    prompt_token_ids: Optional[list[int]] = None  # set by the router after tokenizing
+    # Set by the router after tokenizing (the rendered template), list or base64 form.
+    prompt_token_ids: Optional[list[int]] = None
+    prompt_token_ids_b64: Optional[str] = None
 
 
 class ProbeRequest(_Request):

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import binascii
 import math
+import sys
 import time
 import uuid
 from array import array
@@ -23,7 +24,7 @@ from .errors import APIError
 from .metrics import ReplicaMetrics
 from .scheduler import QueueFull, Scheduler, SchedulerConfig
 from .schemas import (ChatCompletionRequest, CompletionRequest, LoadSnapshot, ModelCard,
-                      ProbeRequest, ProbeResponse, _GenerationParams)
+                      ProbeRequest, _GenerationParams)
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .settings import ReplicaSettings
 from .tokenizer import ByteTokenizer, ChatMessage
@@ -82,19 +83,21 @@ class ReplicaService:
                          tokens_per_block=self.manager.config.tokens_per_block,
                          max_model_len=self.max_model_len, engine=self.engine.describe())
 
-    def probe(self, req: ProbeRequest) -> ProbeResponse:
+    def probe(self, req: ProbeRequest) -> dict:
+        """The ``ProbeResponse`` as a plain dict (the hot path skips model validation)."""
         if req.prompt is not None:
-            tokens = self.tokenizer.encode(req.prompt)
+            tokens = array("I", self.tokenizer.encode(req.prompt))
         elif req.messages is not None:
-            tokens = self._render(req.messages)
+            tokens = array("I", self._render(req.messages))
         elif req.token_ids is not None:
-            tokens = self._checked_ids(req.token_ids, "token_ids")
+            tokens = array("I", self._checked_ids(req.token_ids, "token_ids"))
         else:
-            tokens = self._checked_ids(_decode_b64(req.token_ids_b64), "token_ids_b64")
+            tokens = self._checked_array(_decode_b64(req.token_ids_b64, "token_ids_b64"),
+                                         "token_ids_b64")
         probe = self.manager.probe_reuse(tokens[:-1], scope=_scope(req.cache_salt))
-        return ProbeResponse(num_tokens=probe.num_tokens,
-                             num_tokens_before_hybrid_pruning=probe.num_tokens_before_hybrid_pruning,
-                             num_prompt_tokens=len(tokens), load=self.load())
+        return {"num_tokens": probe.num_tokens,
+                "num_tokens_before_hybrid_pruning": probe.num_tokens_before_hybrid_pruning,
+                "num_prompt_tokens": len(tokens), "load": self.load().model_dump()}
 
     def load(self) -> LoadSnapshot:
         s = self.manager.stats()
@@ -111,6 +114,10 @@ class ReplicaService:
 
     def completion_tokens(self, req: CompletionRequest) -> list[int]:
         self._check_model(req)
+        if req.prompt_token_ids_b64 is not None:
+            return self._checked_array(_decode_b64(req.prompt_token_ids_b64,
+                                                   "prompt_token_ids_b64"),
+                                       "prompt_token_ids_b64").tolist()
         if req.prompt_token_ids is not None:
             return self._checked_ids(req.prompt_token_ids, "prompt_token_ids")
         p = req.prompt
@@ -124,6 +131,10 @@ class ReplicaService:
 
     def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         self._check_model(req)
+        if req.prompt_token_ids_b64 is not None:
+            return self._checked_array(_decode_b64(req.prompt_token_ids_b64,
+                                                   "prompt_token_ids_b64"),
+                                       "prompt_token_ids_b64").tolist()
         if req.prompt_token_ids is not None:
             return self._checked_ids(req.prompt_token_ids, "prompt_token_ids")
         return self._render(req.messages)
@@ -192,6 +203,17 @@ class ReplicaService:
                            f"[0, {vocab})", param=param, code="invalid_token_id")
         return list(ids)
 
+    def _checked_array(self, ids: array, param: str) -> array:
+        """Like ``_checked_ids`` for an ``array('I')`` (unsigned: only the top can be bad)."""
+        if not ids:
+            raise APIError(400, f"{param} must not be empty", param=param)
+        top = max(ids)
+        if top >= self.tokenizer.vocab_size:
+            raise APIError(400, f"{param} has token id {top}, outside the vocabulary "
+                           f"[0, {self.tokenizer.vocab_size})", param=param,
+                           code="invalid_token_id")
+        return ids
+
     def _check_fits_pool(self, total_tokens: int) -> None:
         blocks = math.ceil(total_tokens / self.manager.config.tokens_per_block)
         if blocks > self.manager.config.num_pages:
@@ -210,19 +232,20 @@ def _scope(cache_salt: str | None) -> ReuseScope:
     return ReuseScope(salt=cache_salt) if cache_salt else ReuseScope()
 
 
-def _decode_b64(data: str) -> list[int]:
+def _decode_b64(data: str, param: str) -> array:
+    """Base64 of little-endian uint32 token ids -> ``array('I')``."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise APIError(400, "token_ids_b64 is not valid base64", param="token_ids_b64") from None
+        raise APIError(400, f"{param} is not valid base64", param=param) from None
     if len(raw) % 4:
-        raise APIError(400, "token_ids_b64 must hold little-endian uint32 values (a multiple "
-                       "of 4 bytes)", param="token_ids_b64")
+        raise APIError(400, f"{param} must hold little-endian uint32 values (a multiple "
+                       "of 4 bytes)", param=param)
     ids = array("I")
     ids.frombytes(raw)
-    if ids.itemsize == 4 and array("I", [1]).tobytes() != b"\x01\x00\x00\x00":
+    if sys.byteorder != "little":
         ids.byteswap()
-    return ids.tolist()
+    return ids
 
 
 def new_request_id() -> str:

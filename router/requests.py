@@ -22,8 +22,9 @@ from replicas.tokenizer import ByteTokenizer, ChatMessage
 
 from .policies import RouteRequest, block_keys, text_keys
 from .settings import RouterSettings
+from .upstream import token_ids_b64
 
-INTERNAL_FIELDS = ("prompt_token_ids",)
+INTERNAL_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
 TEXT_CHUNK_CHARS = 64  # approx_prefix unit for back ends the router cannot tokenize for
 
 
@@ -146,7 +147,7 @@ class RequestBuilder:
         body = dict(data)
         if kind == "completion":
             body.pop("prompt", None)
-        body["prompt_token_ids"] = tokens
+        body["prompt_token_ids_b64"] = token_ids_b64(tokens)
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         if salt:

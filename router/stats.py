@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 
@@ -15,7 +16,7 @@ def _percentile(values, q: float) -> float | None:
 def replica_view(rep) -> dict:
     s = rep.stats
     ttft = list(s.ttft_s)
-    load = rep.load.__dict__ if rep.load is not None else None
+    load = dataclasses.asdict(rep.load) if rep.load is not None else None
     return {
         "url": rep.url, "model": rep.model, "health": rep.health.value,
         "circuit": rep.circuit.value, "draining": rep.draining, "problem": rep.problem,
