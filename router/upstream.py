@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from .probe_client import ProbeClient
 from .settings import RouterSettings
 
 
@@ -45,6 +46,7 @@ class Upstream:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.session: aiohttp.ClientSession | None = None
+        self.probes = ProbeClient(settings.connect_timeout_s)
         self._internal = ({"authorization": f"Bearer {settings.internal_token}"}
                           if settings.internal_token else {})
 
@@ -56,6 +58,7 @@ class Upstream:
                                              auto_decompress=False)
 
     async def close(self) -> None:
+        self.probes.close()
         if self.session is not None:
             await self.session.close()
 
@@ -77,11 +80,16 @@ class Upstream:
 
     async def _probe(self, url: str, body: bytes) -> ProbeResult:
         t0 = time.perf_counter()
-        headers = {"content-type": "application/json", **self._internal}
-        async with self.session.post(url + "/probe_reuse", data=body, headers=headers) as r:
-            if r.status != 200:
-                raise ProbeFailed(f"HTTP {r.status}")
-            data = json.loads(await r.read())
+        if url.startswith("http://"):
+            status, raw = await self.probes.post(url, "/probe_reuse", body, self._internal)
+        else:  # TLS: the general client
+            headers = {"content-type": "application/json", **self._internal}
+            async with self.session.post(url + "/probe_reuse", data=body,
+                                         headers=headers) as r:
+                status, raw = r.status, await r.read()
+        if status != 200:
+            raise ProbeFailed(f"HTTP {status}")
+        data = json.loads(raw)
         return ProbeResult(data["num_tokens"], data["num_tokens_before_hybrid_pruning"],
                            data.get("load") or {}, time.perf_counter() - t0)
 
