@@ -12,7 +12,7 @@ import time
 import httpx
 
 from . import driver, workloads
-from . import simulate_cli
+from . import compare_cli, simulate_cli
 from .cluster import LocalCluster
 
 
@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     simulate_cli.add_arguments(p)
     p.set_defaults(func=simulate_cli.run)
+    p = sub.add_parser("compare", help="policies side by side on live local clusters: JSON, "
+                       "a markdown table and PNG plots", description=compare_cli.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare_cli.add_arguments(p)
+    p.set_defaults(func=compare_cli.run)
     args = parser.parse_args(argv)
     return args.func(args)
 

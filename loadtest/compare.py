@@ -1,0 +1,224 @@
+"""``python -m loadtest compare``: policies side by side on live local clusters.
+
+For each policy a fresh cluster (``--replicas`` sim replicas and our router) is started,
+the identical request sequence (same workload, same arrival times) is replayed through it,
+and the cluster is stopped. An external router (``--external sglang``: the SGLang model
+gateway, cache-aware; or ``--external-cmd 'NAME=COMMAND'`` with ``{port}``,
+``{workers}`` (space-separated) and ``{workers_comma}`` placeholders) becomes one more
+column, in front of its own fresh replicas. Per-replica prefill work is read from each
+replica's ``/stats`` (prompt tokens looked up minus tokens reused), so it is measured the
+same way whatever router is in front. The pooled and infinite bounds come from replaying
+the same requests through one large cache (``loadtest.simulate.bound_hit_rate``).
+
+Outputs in ``--out-dir``: ``compare.json`` (every run's full report), ``compare.md`` (one
+table), and PNG plots: ``hit_rate.png``, ``ttft_cdf.png``, ``replica_load.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from .cluster import LocalCluster
+from .driver import DriverConfig, arrival_offsets, run
+from .processes import ROOT, ServerProcess, free_port
+from .report import build_report
+from .simulate import bound_hit_rate, to_sim_requests
+from .workloads import Request
+
+
+def run_policy(policy: str, requests: list[Request], config: DriverConfig, replicas: int,
+               replica_args: list[str], router_args: list[str], log_dir: Path) -> dict:
+    with LocalCluster(replicas, policy, replica_args, router_args, log_dir=log_dir) as c:
+        result = run(requests, replace(config, url=c.router.url))
+        doc = build_report(result, include_records=True)
+        doc["replica_stats"] = _replica_prefill([r.url for r in c.replicas])
+        doc["replicas_alive"] = sum(r.proc.poll() is None for r in c.replicas)
+    return doc
+
+
+def run_external(name: str, command: str | None, requests: list[Request],
+                 config: DriverConfig, replicas: int, replica_args: list[str],
+                 log_dir: Path) -> dict:
+    """Our replicas behind an external router (``sglang`` or a command template)."""
+    workers = [ServerProcess("replicas", *replica_args, log_dir=log_dir) for _ in range(replicas)]
+    try:
+        urls = [w.url for w in workers]
+        if command is None:
+            from .peers import SGLangRouter
+            with SGLangRouter(urls, policy="cache_aware", log_dir=log_dir) as gw:
+                result = run(requests, replace(config, url=gw.url, model=gw.model))
+        else:
+            result = _run_command_router(command, urls, requests, config, log_dir)
+        doc = build_report(result, include_records=True)
+        doc["replica_stats"] = _replica_prefill(urls)
+        doc["replicas_alive"] = sum(w.proc.poll() is None for w in workers)
+        return doc
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def _run_command_router(command: str, urls: list[str], requests, config, log_dir: Path):
+    port = free_port()
+    argv = shlex.split(command.format(port=port, workers=" ".join(urls),
+                                      workers_comma=",".join(urls)))
+    log = open(log_dir / f"external-{port}.log", "wb")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_models(url, proc)
+        return run(requests, replace(config, url=url))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wait_models(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"external router exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"external router at {url} did not answer /v1/models")
+
+
+def _replica_prefill(urls: list[str]) -> dict[str, dict]:
+    out = {}
+    for url in urls:
+        reuse = httpx.get(url + "/stats", timeout=5).json()["reuse"]
+        out[url] = {"query_tokens": reuse["query_tokens"], "hit_tokens": reuse["hit_tokens"],
+                    "prefill_tokens": reuse["query_tokens"] - reuse["hit_tokens"]}
+    return out
+
+
+def bounds(requests: list[Request], config: DriverConfig, replicas: int, kv_pages: int,
+           tokens_per_block: int) -> dict:
+    """Pooled and infinite bounds of the same requests in the same arrival order."""
+    offsets = (arrival_offsets(len(requests), config.rate, config.burstiness,
+                               config.constant_rate, config.seed)
+               if config.rate else [r.arrival_s for r in requests])
+    sim = to_sim_requests(requests, offsets)
+    return {"pooled": bound_hit_rate(sim, replicas * kv_pages, tokens_per_block),
+            "infinite": bound_hit_rate(sim, None, tokens_per_block)}
+
+
+def summary_row(name: str, doc: dict, rr: dict | None) -> dict:
+    s = doc["summary"]
+    prefill = [v["prefill_tokens"] for v in doc["replica_stats"].values()]
+    mean = sum(prefill) / len(prefill) if prefill else 0
+    row = {"policy": name, "hit_rate": s["token_hit_rate"], "ttft_mean_ms": s["ttft_ms"]["mean"],
+           "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+           "imbalance": max(prefill) / mean if mean else None,
+           "request_throughput": s["request_throughput"], "failed": s["failed"],
+           "replicas_alive": doc.get("replicas_alive")}
+    if rr is not None:
+        rs = rr["summary"]
+        row["hit_rate_x_rr"] = s["token_hit_rate"] / rs["token_hit_rate"] \
+            if rs["token_hit_rate"] else None
+        row["ttft_mean_x_rr"] = s["ttft_ms"]["mean"] / rs["ttft_ms"]["mean"] \
+            if rs["ttft_ms"]["mean"] else None
+    return row
+
+
+def markdown(rows: list[dict], bound: dict, setup: str) -> str:
+    lines = [setup, "",
+             "| policy | token hit rate | / pooled bound | x round robin | TTFT mean | TTFT p50 "
+             "| TTFT p99 | mean TTFT / round robin | load imbalance | req/s | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pooled = r["hit_rate"] / bound["pooled"] if bound.get("pooled") else None
+        lines.append(
+            f"| {r['policy']} | {r['hit_rate']:.3f} | {_f(pooled, '.2f')} | "
+            f"{_f(r.get('hit_rate_x_rr'), '.1f')} | {_f(r['ttft_mean_ms'], '.1f')} ms | "
+            f"{_f(r['ttft_p50_ms'], '.1f')} ms | {_f(r['ttft_p99_ms'], '.1f')} ms | "
+            f"{_f(r.get('ttft_mean_x_rr'), '.2f')} | {_f(r['imbalance'], '.2f')} | "
+            f"{r['request_throughput']:.1f} | {r['failed']} |")
+    lines.append("")
+    lines.append(f"Bounds on the same request sequence: pooled {bound['pooled']:.3f}, "
+                 f"infinite {bound['infinite']:.3f}.")
+    return "\n".join(lines) + "\n"
+
+
+def _f(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plots(docs: dict[str, dict], bound: dict, out_dir: Path) -> list[Path]:
+    """hit_rate.png, ttft_cdf.png, replica_load.png."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    names = list(docs)
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, [docs[n]["summary"]["token_hit_rate"] for n in names], color="#4C72B0")
+    for label, value, style in (("pooled bound", bound["pooled"], "--"),
+                                ("infinite bound", bound["infinite"], ":")):
+        ax.axhline(value, color="black", linestyle=style, linewidth=1, label=label)
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title("Token hit rate per policy")
+    ax.legend(loc="upper right")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    paths.append(_save(fig, out_dir / "hit_rate.png"))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for n in names:
+        ttft = sorted(r["ttft_s"] * 1e3 for r in docs[n]["records"] if r["ttft_s"] is not None)
+        if ttft:
+            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=n)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log scale)")
+    ax.set_ylabel("share of requests")
+    ax.set_title("TTFT distribution")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        prefill = [v["prefill_tokens"] for v in docs[n]["replica_stats"].values()]
+        ax.bar([j + i * width for j in range(len(prefill))], prefill, width, label=n)
+    ax.set_xlabel("replica")
+    ax.set_ylabel("prefill tokens computed")
+    ax.set_title("Per-replica prefill work")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "replica_load.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def write(out_dir: Path, docs: dict[str, dict], rows: list[dict], bound: dict,
+          setup: dict, setup_text: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.json").write_text(json.dumps(
+        {"schema": "loadtest.compare/1", "setup": setup, "bounds": bound, "rows": rows,
+         "runs": docs}, indent=1) + "\n")
+    (out_dir / "compare.md").write_text(markdown(rows, bound, setup_text))
+    plots(docs, bound, out_dir)
