@@ -108,7 +108,7 @@ class KVCacheManager:
 
     def probe_reuse(self, tokens: Sequence[int], scope: ReuseScope | None = None) -> ReuseProbe:
         """Tokens of ``tokens`` reusable right now. Holds nothing, changes nothing."""
-        return self._matcher.match(as_token_array(tokens), _scope(scope)).probe
+        return self._matcher.probe(as_token_array(tokens), _scope(scope))
 
     def create_kv_cache(self, tokens: Sequence[int], scope: ReuseScope | None = None) -> KVCache:
         """A cache for a sequence starting with ``tokens``, holding its reusable prefix.

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from .config import CacheConfig, ReuseScope
 from .tokens import TOKEN_BYTES
@@ -19,19 +18,19 @@ if TYPE_CHECKING:
     from .manager import PoolLayout
 
 
-@dataclass(frozen=True, slots=True)
-class ReuseProbe:
+class ReuseProbe(NamedTuple):
     """How many leading tokens of a lookup could be reused right now.
 
     ``num_tokens``: reusable now, after every life cycle's rule.
     ``num_tokens_before_hybrid_pruning``: what the attention life cycles alone support.
+    (A named tuple: probes are made by the million in simulations.)
     """
 
     num_tokens: int
     num_tokens_before_hybrid_pruning: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Match:
     """A match and the blocks behind it (internal to the package)."""
 
@@ -51,6 +50,22 @@ class Matcher:
         self._windows = layout.windows
         self._attention = layout.attention
         self._recurrent = layout.recurrent
+        self._prunes = bool(self._windows) or self._recurrent is not None
+
+    def probe(self, tokens: array, scope: ReuseScope) -> ReuseProbe:
+        """``match(...).probe`` without building the match (the probe hot path)."""
+        if self._prunes:
+            return self.match(tokens, scope).probe
+        root = self._tree.roots.get(scope)
+        if root is None or not tokens:
+            return ReuseProbe(0, 0)
+        data = tokens.tobytes()
+        path = self._walk(root, data)
+        matched = len(path) * self._tpb
+        if self._partial and matched < len(tokens):
+            matched += self._best_partial(path[-1] if path else root,
+                                          data[matched * TOKEN_BYTES:])[1]
+        return ReuseProbe(matched, matched)
 
     def match(self, tokens: array, scope: ReuseScope) -> Match:
         root = self._tree.roots.get(scope)

@@ -144,25 +144,36 @@ class BlockTree:
 
     def hold_all(self, blocks: list[Block]) -> None:
         reclaimable = self.reclaimable
+        single = len(reclaimable) == 1
         for block in blocks:
             if block.holders == 0:
-                for pool, page in enumerate(block.pages):
-                    if page is not None:
-                        reclaimable[pool] -= 1
+                if single:
+                    if block.pages[0] is not None:
+                        reclaimable[0] -= 1
+                else:
+                    for pool, page in enumerate(block.pages):
+                        if page is not None:
+                            reclaimable[pool] -= 1
             block.holders += 1
 
     def release_all(self, blocks: list[Block], tick: int) -> None:
         """``release`` each of ``blocks`` (root to leaf order)."""
         reclaimable = self.reclaimable
+        single = len(reclaimable) == 1  # the common case, without the inner loop
         for block in blocks:
             block.holders -= 1
             if block.holders:
                 continue
             block.tick = tick
-            for pool, page in enumerate(block.pages):
-                if page is not None:
-                    reclaimable[pool] += 1
-            self._became_candidate(block)
+            if single:
+                if block.pages[0] is not None:
+                    reclaimable[0] += 1
+            else:
+                for pool, page in enumerate(block.pages):
+                    if page is not None:
+                        reclaimable[pool] += 1
+            if not block.children:
+                self._became_candidate(block)
 
     def release(self, block: Block, tick: int) -> None:
         block.holders -= 1

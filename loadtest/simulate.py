@@ -48,6 +48,7 @@ class SimRequest:
     request_id: str = ""
     session: str | None = None
     scope: str = ""
+    keys: tuple[int, ...] | None = None  # prefix keys (router.policies.keys); None: on arrival
 
 
 @dataclass
@@ -85,14 +86,20 @@ class SimReplica:
         self.queued_tokens = 0
         self.prefill_tokens = 0  # computed (uncached) prompt tokens
         self.requests = 0
-        self.reported = LoadInfo()  # what the router last learned (from a probe)
+        self.reported = LoadInfo(total_pages=cfg.kv_pages,
+                                 prefill_tokens_per_s=cfg.timing.prefill_tokens_per_s)
 
     def load(self) -> LoadInfo:
+        """The replica's load now: one object per replica, refreshed in place (no
+        allocation per probe; the simulator keeps no decision after it is made)."""
+        info = self.reported
         left = 0
         if self.prefilling is not None:
             left = len(self.prefilling.req.tokens) - self.prefilling.reused
-        return LoadInfo(self.running, len(self.queue), self.queued_tokens + left,
-                        0, self.cfg.kv_pages, self.cfg.timing.prefill_tokens_per_s)
+        info.running = self.running
+        info.waiting = len(self.queue)
+        info.queued_prefill_tokens = self.queued_tokens + left
+        return info
 
 
 @dataclass
@@ -125,6 +132,8 @@ class Simulation:
         self.cfg = cfg
         self.policy = policy
         self.replicas = [SimReplica(f"replica-{i}", cfg) for i in range(cfg.replicas)]
+        self._names = [r.name for r in self.replicas]
+        self._by_name = {r.name: r for r in self.replicas}
         self._events: list = []
         self._seq = 0
         self.now = 0.0
@@ -164,16 +173,18 @@ class Simulation:
                 held.append(req)
                 return False
             self._session_busy[req.session] = deque()
-        route = RouteRequest(req.request_id, len(req.tokens),
-                             block_keys(req.tokens, self.cfg.tokens_per_block, req.scope),
-                             self.cfg.tokens_per_block, req.session)
-        names = [r.name for r in self.replicas]
+        keys = req.keys
+        if keys is None:
+            keys = block_keys(req.tokens, self.cfg.tokens_per_block, req.scope)
+        route = RouteRequest(req.request_id, len(req.tokens), keys, self.cfg.tokens_per_block,
+                             req.session)
+        names = self._names
         k = self.cfg.probe_k
         if self.policy.needs_probe:
             targets = self.policy.probe_targets(route, names, len(names) if k is None else k)
         else:
             targets = names
-        by_name = self._by_name()
+        by_name = self._by_name
         scope = ReuseScope(salt=req.scope) if req.scope else None
         candidates = []
         lookup = req.tokens[:-1]
@@ -183,9 +194,7 @@ class Simulation:
             if self.policy.needs_probe:
                 probe = rep.mgr.probe_reuse(lookup, scope=scope)
                 reuse, before = probe.num_tokens, probe.num_tokens_before_hybrid_pruning
-                rep.reported = rep.load()
-            candidates.append(Candidate(name, reuse, before, rep.reported
-                                        if self.policy.needs_probe else rep.load(),
+            candidates.append(Candidate(name, reuse, before, rep.load(),
                                         rep.running + len(rep.queue)))
         decision = self.policy.choose(route, candidates)
         chosen = by_name[decision.chosen]
@@ -262,11 +271,6 @@ class Simulation:
         self._session_busy[req.session].extend(held)
         return False
 
-    def _by_name(self) -> dict[str, SimReplica]:
-        cache = getattr(self, "_names", None)
-        if cache is None:
-            cache = self._names = {r.name: r for r in self.replicas}
-        return cache
 
 
 def bound_hit_rate(requests: Sequence[SimRequest], num_pages: int | None,
@@ -297,10 +301,12 @@ def simulate(requests: Sequence[SimRequest], policy: str, cfg: SimConfig,
     return Simulation(cfg, make_policy(policy, seed=cfg.seed)).run(requests, progress)
 
 
-def to_sim_requests(requests: Sequence[Request], offsets: Sequence[float | None]
-                    ) -> list[SimRequest]:
+def to_sim_requests(requests: Sequence[Request], offsets: Sequence[float | None],
+                    tokens_per_block: int | None = None) -> list[SimRequest]:
     """Workload requests as token ids (the replicas' tokenizer and template), with arrival
-    times; requests of one session keep their order (a later turn never arrives first)."""
+    times; requests of one session keep their order (a later turn never arrives first).
+    With ``tokens_per_block``, each request's prefix keys are computed here, once, instead
+    of on every simulated arrival."""
     tok = ByteTokenizer()
     out = []
     last_in_session: dict[str, float] = {}
@@ -313,7 +319,9 @@ def to_sim_requests(requests: Sequence[Request], offsets: Sequence[float | None]
         if req.session is not None:
             at = max(at, last_in_session.get(req.session, 0.0))
             last_in_session[req.session] = at
-        out.append(SimRequest(array("I", ids), req.max_tokens, at, req.request_id,
-                              req.session))
+        tokens = array("I", ids)
+        keys = block_keys(tokens, tokens_per_block) if tokens_per_block else None
+        out.append(SimRequest(tokens, req.max_tokens, at, req.request_id, req.session,
+                              keys=keys))
     out.sort(key=lambda r: r.arrival_s)
     return out

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     workload, desc = workload_from_args(args)
     offsets = arrival_offsets(len(workload), args.rate, args.burstiness, seed=args.seed) \
         if args.rate > 0 else [r.arrival_s for r in workload]
-    requests = to_sim_requests(workload, offsets)
+    requests = to_sim_requests(workload, offsets, args.tokens_per_block)
     prep_s = time.perf_counter() - t0
     timing = SimTiming(prefill_tokens_per_s=args.prefill_tokens_per_s)
     cfg = dict(replicas=args.replicas, kv_pages=args.kv_pages,

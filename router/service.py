@@ -178,6 +178,9 @@ class RouterService:
         if self.policy.needs_probe and k != 0:
             urls = [r.url for r in eligible]
             targets = self.policy.probe_targets(p.route, urls, len(urls) if k is None else k)
+            if len(targets) < len(urls):  # bounded fan-out: choose among the probed
+                chosen = set(targets)
+                eligible = [r for r in eligible if r.url in chosen]
             body = json.dumps({"token_ids_b64": token_ids_b64(p.tokens),
                                "cache_salt": p.salt}).encode()
             probes = await self.upstream.probe_all(targets, body)

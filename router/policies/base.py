@@ -30,9 +30,9 @@ class LoadInfo:
         return cls(**{k: load[k] for k in cls.__dataclass_fields__ if k in load})
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RouteRequest:
-    """What is being routed.
+    """What is being routed (read-only by convention; not frozen, for speed).
 
     ``keys`` are chained prefix keys of the prompt: per block of token ids when the router
     tokenized it (our replicas), per chunk of text for back ends it cannot tokenize for
@@ -46,7 +46,7 @@ class RouteRequest:
     session_key: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Candidate:
     """One eligible replica, as known at decision time."""
 
@@ -59,10 +59,11 @@ class Candidate:
     pending_reuse: int = 0  # prefix of this request that an unfinished routed prefill covers
     score: float | None = None  # filled by the policy (lower is better)
     tie: float = 0.0  # scores closer than this to the best count as ties
+    estimate: tuple = ()  # the policy's terms behind the score (prefix: TTFT, reuse, queued)
     note: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     """The choice, the reason, and every candidate as scored (for /stats and logs)."""
 

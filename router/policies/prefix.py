@@ -75,7 +75,7 @@ class PrefixAware(Policy):
             ttft = (queued + uncached) / rate
             c.score = ttft + self.new_work_weight * uncached / rate
             c.tie = request.unit_tokens / rate
-            c.note = f"est. TTFT {ttft * 1e3:.1f} ms: reuse {reuse}, queued {queued}"
+            c.estimate = (ttft, reuse, queued)
         best = min(candidates, key=lambda c: c.score)
         near = [c for c in candidates if c.score <= best.score + best.tie]
         if len(near) > 1:
@@ -90,8 +90,10 @@ class PrefixAware(Policy):
         self._uncached[request.request_id] = (best.name, uncached)
         if len(self._uncached) > 4096:
             self._uncached.popitem(last=False)
-        return Decision(best.name, f"lowest expected TTFT ({best.note} of "
-                        f"{request.num_tokens} tokens)", tuple(candidates))
+        ttft, reuse, queued = best.estimate
+        return Decision(best.name, f"lowest expected TTFT (est. TTFT {ttft * 1e3:.1f} ms: "
+                        f"reuse {reuse}, queued {queued} of {request.num_tokens} tokens)",
+                        tuple(candidates))
 
     def probe_targets(self, request: RouteRequest, replicas: list[str], k: int) -> list[str]:
         if k >= len(replicas):
