@@ -22,10 +22,11 @@ computes the prefix again). With it, the burst follows the first request's repli
 pending prefill the router counts) until that queue is about ``1 + new_work_weight``
 prefixes longer than elsewhere, then spills over: neither scattered nor piled onto one.
 
-With bounded fan-out (probing ``k`` of ``n`` replicas), the replicas this router sent the
-longest shared prefix to (an LRU record of prefix keys per replica, as in
-``approx_prefix``) are probed first, and the rest of the ``k`` are drawn at random, so
-that a prefix cached somewhere unexpected is still found now and then.
+With bounded fan-out (probing ``k`` of ``n`` replicas and choosing among them), up to
+``k - 1`` replicas this router sent the longest shared prefix to (an LRU record of prefix
+keys per replica, as in ``approx_prefix``) are probed first, and the rest of the ``k`` are
+drawn at random, so that a prefix cached somewhere unexpected is still found now and then
+and load spreads (power of k choices). With ``k = 1`` the best affinity replica alone.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class PrefixAware(Policy):
         keys = request.keys
         affinity = sorted(((shared_units(keys, self._sent.get(r, ())), r) for r in replicas),
                           reverse=True)
-        chosen = [r for shared, r in affinity[: max(0, k - 1)] if shared > 0]
+        # k - 1 slots for the replicas sent the longest shared prefix, at least one draw at
+        # random (so a prefix cached somewhere unexpected is found); k = 1: affinity only.
+        chosen = [r for shared, r in affinity[: max(1, k - 1)] if shared > 0]
         rest = [r for r in replicas if r not in chosen]
         return chosen + self.rng.sample(rest, k - len(chosen))
 
