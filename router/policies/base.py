@@ -24,6 +24,7 @@ class LoadInfo:
     free_pages: int = 0
     total_pages: int = 0
     prefill_tokens_per_s: float = 0.0
+    cached_pages: int = 0
 
     @classmethod
     def from_wire(cls, load: dict) -> LoadInfo:
