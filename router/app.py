@@ -17,6 +17,7 @@ from replicas.errors import APIError, install_error_handlers
 from replicas.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                               CompletionResponse, ErrorResponse)
 
+from .dashboard import install_dashboard
 from .metrics import RouterMetrics
 from .proxy import DONE, Attempt, UpstreamRefused, collect, error_event
 from .requests import Prepared
@@ -82,6 +83,7 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
         return PlainTextResponse(generate_latest(svc.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 
+    install_dashboard(app)
     _admin_routes(app, svc, settings)
     return app
 

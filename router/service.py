@@ -116,38 +116,48 @@ class RouterService:
         ok, why = await self.upstream.is_ready(replica.url)
         if not ok:
             if replica.health is not Health.REFUSED:
+                if replica.health is not Health.UNHEALTHY:
+                    log.warning("replica %s is unhealthy: %s", replica.url, why)
                 replica.health, replica.problem = Health.UNHEALTHY, why
             return
         if replica.model is None:
-            problem = await self._admission_problem(replica)
-            if problem:
+            problem, final = await self._admission_problem(replica)
+            if problem and final:
                 replica.health, replica.problem = Health.REFUSED, problem
                 log.error("refusing replica %s: %s", replica.url, problem)
                 return
+            if problem:  # could not ask (timeout, error): not a verdict, ask again later
+                log.warning("replica %s: admission check postponed: %s", replica.url, problem)
+                replica.health, replica.problem = Health.UNHEALTHY, problem
+                return
         if replica.health is not Health.HEALTHY:
-            log.info("replica %s is healthy (model %s)", replica.url, replica.model)
+            level = logging.WARNING if replica.health is Health.UNHEALTHY else logging.INFO
+            log.log(level, "replica %s is healthy (model %s)", replica.url, replica.model)
         replica.health, replica.problem = Health.HEALTHY, ""
 
-    async def _admission_problem(self, replica: Replica) -> str:
+    async def _admission_problem(self, replica: Replica) -> tuple[str, bool]:
+        """(problem, final): final problems refuse the replica for good; others (it could
+        not be asked) leave it unhealthy until the next check."""
         try:
             status, body = await self.upstream.get_json(replica.url + "/v1/models",
                                                         self.settings.health_timeout_s)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            return f"GET /v1/models failed: {type(exc).__name__}: {exc}"
+            return f"GET /v1/models failed: {type(exc).__name__}: {exc}", False
         cards = (body or {}).get("data") or []
         if status != 200 or not cards:
-            return f"GET /v1/models answered {status} without models"
+            return f"GET /v1/models answered {status} without models", status < 500
         card = cards[0]
         if self.settings.backend == "ours":
             mine = self.tokenizer.fingerprint
             if card.get("tokenizer_fingerprint") != mine:
                 return (f"tokenizer fingerprint {card.get('tokenizer_fingerprint')!r} differs "
-                        f"from the router's {mine!r}: it would read token ids differently")
+                        f"from the router's {mine!r}: it would read token ids differently",
+                        True)
             if card.get("tokens_per_block") != self.settings.tokens_per_block:
                 return (f"tokens_per_block {card.get('tokens_per_block')} differs from the "
-                        f"router's {self.settings.tokens_per_block} (--tokens-per-block)")
+                        f"router's {self.settings.tokens_per_block} (--tokens-per-block)", True)
         replica.model = card.get("id")
-        return ""
+        return "", False
 
     async def _health_loop(self) -> None:
         while True:

@@ -9,13 +9,15 @@ For each candidate replica::
     ttft_est  = (queued + uncached) / replica's prefill tokens per second
     score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
-and the lowest score wins. Near-ties (within one key unit, a block of tokens, of prefill at
-the best replica's rate: scale-free, so fast hardware does not blur real reuse) go to
+and the lowest score wins. Near-ties (scores within ``tie_share`` (5%) of the best, or one
+block of prefill at the best replica's rate if that is more) go to
 the replica with fewer outstanding requests, then to the one this router gave the least
 prefill work lately (uncached tokens routed, decaying by ``work_decay`` per routed
 request), then at random: new prefixes (no reuse anywhere, empty queues) then spread over
 replicas evenly instead of by chance, so that no replica ends up owning too few or too
-many prefixes. The second term charges a request for the work
+many prefixes. (Without the 5%, a short preamble that every prompt shares, reused in part
+on every busy replica, keeps a cold replica from ever winning a new prefix.) The second
+term charges a request for the work
 it adds, which delays everything queued behind it: without it, a burst of requests sharing
 a new prefix scatters (each one's own TTFT is a hair better on an idle replica that
 computes the prefix again). With it, the burst follows the first request's replica (whose
@@ -44,10 +46,11 @@ class PrefixAware(Policy):
     name = "prefix"
     needs_probe = True
 
-    def __init__(self, rng=None, new_work_weight: float = 1.0, work_decay: float = 0.995,
-                 max_keys_per_replica: int = 200_000) -> None:
+    def __init__(self, rng=None, new_work_weight: float = 1.0, tie_share: float = 0.05,
+                 work_decay: float = 0.995, max_keys_per_replica: int = 200_000) -> None:
         super().__init__(rng)
         self.new_work_weight = new_work_weight
+        self.tie_share = tie_share
         self.work_decay = work_decay
         self._routed = 0  # requests routed so far: the clock of the work decay
         self._work: dict[str, tuple[float, int]] = {}  # replica -> (work, at _routed)
@@ -78,7 +81,8 @@ class PrefixAware(Policy):
             c.tie = request.unit_tokens / rate
             c.estimate = (ttft, reuse, queued)
         best = min(candidates, key=lambda c: c.score)
-        near = [c for c in candidates if c.score <= best.score + best.tie]
+        window = max(best.tie, best.score * self.tie_share)
+        near = [c for c in candidates if c.score <= best.score + window]
         if len(near) > 1:
             fewest = min(outstanding(c) for c in near)
             near = [c for c in near if outstanding(c) == fewest]

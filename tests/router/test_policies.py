@@ -84,8 +84,9 @@ def test_prefix_burst_of_a_new_prefix_follows_the_first_request():
         p.on_routed(r, d.chosen)
         chosen.append(d.chosen)
     first = chosen[0]
-    # Follower k adds 32 tokens: it stays while 1056 + 32 (k - 1) + 2 * 32 < 2 * 1056.
-    assert chosen[:31] == [first] * 31
+    # Follower k adds 32 tokens: it stays while its score, (1056 + 32 (k - 1) + 2 * 32) /
+    # rate, is more than 5% (the near-tie window) below an idle replica's 2 * 1056 / rate.
+    assert chosen[:27] == [first] * 27
     assert len(set(chosen)) == 2 and chosen[-1] != first
     p.on_prefill_done(req("r0", tokens=shared + [5000] * 32), first)
     assert p.pending_requests() == 39
@@ -164,3 +165,16 @@ def test_keys_chain_over_scope_and_prefix():
     assert block_keys(a, 32, "tenant-a")[0] != ka[0]
     assert len(block_keys(list(range(95)), 32)) == 2
     assert text_keys("x" * 130, 64)[:2] == text_keys("x" * 128 + "yy", 64)[:2]
+
+
+def test_a_cold_replica_wins_new_prefixes_over_a_shared_preamble():
+    """Busy replicas reuse a short preamble every prompt shares (26 tokens here); that must
+    not keep an idle, empty replica from ever getting a new prefix."""
+    p = make_policy("prefix", seed=0)
+    for name in ("a", "b", "c"):  # each has done a good deal of work already
+        p.on_routed(req(f"warm-{name}", n=1088), name)
+    cs = [Candidate("a", 26, 26, LoadInfo(prefill_tokens_per_s=2e4)),
+          Candidate("b", 26, 26, LoadInfo(prefill_tokens_per_s=2e4)),
+          Candidate("cold", 0, 0, LoadInfo(prefill_tokens_per_s=2e4)),
+          Candidate("c", 26, 26, LoadInfo(prefill_tokens_per_s=2e4))]
+    assert p.choose(req("new", n=1088), cs).chosen == "cold"
