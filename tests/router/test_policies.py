@@ -171,8 +171,10 @@ def test_a_cold_replica_wins_new_prefixes_over_a_shared_preamble():
     """Busy replicas reuse a short preamble every prompt shares (26 tokens here); that must
     not keep an idle, empty replica from ever getting a new prefix."""
     p = make_policy("prefix", seed=0)
-    for name in ("a", "b", "c"):  # each has done a good deal of work already
-        p.on_routed(req(f"warm-{name}", n=1088), name)
+    for i, name in enumerate(("a", "b", "c")):  # each has done a good deal of work already
+        warm = req(f"warm-{name}", tokens=[10_000 * (i + 1) + t for t in range(1088)])
+        p.on_routed(warm, name)
+        p.on_prefill_done(warm, name)
     cs = [Candidate("a", 26, 26, LoadInfo(prefill_tokens_per_s=2e4)),
           Candidate("b", 26, 26, LoadInfo(prefill_tokens_per_s=2e4)),
           Candidate("cold", 0, 0, LoadInfo(prefill_tokens_per_s=2e4)),
