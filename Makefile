@@ -22,7 +22,15 @@ run: setup
 demo: setup
 	$(PY) -m kvcache.demo
 
-test: setup
+# The browser test (tests/dashboard) drives Debian's chromium; installed only when missing.
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+$(CHROMIUM):
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium
+
+test: setup $(CHROMIUM)
 	$(PY) -m pytest -q
 
 bench: setup

@@ -60,5 +60,5 @@ def install_dashboard(app: FastAPI) -> None:
     async def dashboard() -> Response:
         return page
 
-    app.mount("/dashboard/static", _Static(directory=STATIC, check_dir=False),
-              name="dashboard-static")
+    if STATIC.is_dir():
+        app.mount("/dashboard/static", _Static(directory=STATIC), name="dashboard-static")

@@ -1,0 +1,67 @@
+"""A live cluster for the dashboard tests: sim replicas and a router as real processes.
+
+The router is also given one replica URL that nothing answers and whose text is HTML, so the
+page must show an unhealthy replica and must show its name as text, never as markup.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.procs import Proc, free_port
+
+# Prompt families: requests of one family share a long prefix, so repeats hit the cache.
+FAMILIES = (
+    "You are a support agent for ACME network routers. Answer briefly and politely. " * 4,
+    "Summarise the following contract clause by clause, citing clause numbers. " * 4,
+    "Translate the user's message into French, keeping a formal register throughout. " * 4,
+    "You write SQL for an analytics warehouse; prefer window functions and CTEs. " * 4,
+)
+
+
+@dataclass
+class Live:
+    router: Proc
+    replicas: list[Proc]
+    bogus: str  # a replica URL nothing answers; its path is HTML
+
+    def stats(self) -> dict:
+        return httpx.get(self.router.url + "/stats", timeout=10).json()
+
+    def traffic(self, n: int, start: int = 0, workers: int = 6) -> list[str]:
+        """Send ``n`` completions (prompt families in turn); returns the x-replica of each."""
+        def one(i: int) -> str:
+            body = {"model": "sim-byte-lm", "max_tokens": 6,
+                    "prompt": FAMILIES[i % len(FAMILIES)] + f"Question {i}?"}
+            r = httpx.post(self.router.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.headers["x-replica"]
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(one, range(start, start + n)))
+
+
+@pytest.fixture(scope="package")
+def live():
+    bogus = f"http://127.0.0.1:{free_port()}/<svg/onload=window.__xss=1>&amp;"
+    replicas: list[Proc] = []
+    router = None
+    try:
+        for _ in range(3):
+            replicas.append(Proc("replicas", "--engine", "sim", "--log-level", "warning",
+                                 "--tokens-per-block", "16", "--kv-pages", "96",
+                                 "--sim-speedup", "20"))
+        urls = [r.url for r in replicas] + [bogus]
+        router = Proc("router", "--replicas", ",".join(urls), "--tokens-per-block", "16",
+                      "--seed", "7", "--log-level", "warning")
+        yield Live(router, replicas, bogus)
+    finally:
+        with contextlib.suppress(Exception):
+            if router is not None:
+                router.stop()
+        for r in replicas:
+            r.stop()

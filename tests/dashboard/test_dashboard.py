@@ -1,0 +1,316 @@
+"""GET /dashboard in a real headless Chromium, against live sim replicas and a router.
+
+The page must show what /stats reports (integer counts exactly, rates within the rounding
+of their display), change as traffic arrives without a reload, list the latest decisions
+with every candidate and the reason, and show replica names as text, never as markup.
+A missing browser is a failure, not a skip: .ci/run installs Debian's chromium.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "artifacts" / "dashboard.png"
+STATIC = ROOT / "router" / "static"
+SHOWN_DECISIONS = 10  # DECISIONS_SHOWN in router/static/decisions.js
+
+# Everything the page shows, read in one go: {value: data-value, text: textContent}.
+SNAPSHOT_JS = """() => {
+  const fields = (root) => {
+    const out = {};
+    for (const n of root.querySelectorAll('[data-field]')) {
+      out[n.dataset.field] = {value: n.dataset.value ?? null, text: n.textContent};
+    }
+    return out;
+  };
+  return {
+    polls: Number(document.body.dataset.polls),
+    status: document.getElementById('status').textContent,
+    marker: window.__sameDocument ?? null,
+    xss: window.__xss ?? null,
+    injected: document.querySelectorAll('[onload], [onerror], script:not([src])').length,
+    totals: fields(document.getElementById('totals')),
+    policy: document.getElementById('policy').textContent,
+    chartSeries: Number(document.getElementById('hit-chart').dataset.series || 0),
+    cards: [...document.querySelectorAll('#replicas > .card')].map((c) => ({
+      replica: c.dataset.replica,
+      title: c.querySelector('.url').getAttribute('title'),
+      sparkPoints: Number(c.querySelector('svg.spark').dataset.points || 0),
+      fields: fields(c)})),
+    legend: [...document.querySelectorAll('#share-legend [data-replica]')].map((l) => ({
+      replica: l.dataset.replica, fields: fields(l)})),
+    decisions: [...document.querySelectorAll('#decisions .decision')].map((d) => ({
+      request_id: d.dataset.requestId,
+      head: fields(d.querySelector('.dhead')),
+      candidates: [...d.querySelectorAll('tbody tr')].map((r) => ({
+        replica: r.dataset.replica, chosen: r.classList.contains('chosen'),
+        fields: fields(r)}))})),
+  };
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser(live, tmp_path_factory):
+    assert os.access(CHROMIUM, os.X_OK), (
+        f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium); "
+        ".ci/run does this")
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=CHROMIUM,
+            headless=True, args=ARGS, viewport={"width": 1400, "height": 1000})
+        outside: list[str] = []
+
+        def only_the_router(route):  # the page must work offline: nothing but the router
+            if route.request.url.startswith(live.router.url + "/"):
+                route.continue_()
+            else:
+                outside.append(route.request.url)
+                route.abort()
+
+        context.route("**/*", only_the_router)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        try:
+            yield page, errors, outside
+        finally:
+            context.close()
+
+
+def snapshot(page) -> dict:
+    return page.evaluate(SNAPSHOT_JS)
+
+
+def wait_for(page, predicate, what: str, timeout: float = 15.0) -> dict:
+    """Poll the page until ``predicate(snapshot)`` holds; returns that snapshot."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = snapshot(page)
+        if predicate(snap):
+            return snap
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; page shows {snap['totals']}")
+        time.sleep(0.1)
+
+
+# -- reading displayed figures -------------------------------------------------------------
+
+def as_int(field: dict) -> int:
+    """An integer count: data-value and the text agree exactly."""
+    value = int(field["value"])
+    assert int(field["text"].replace(",", "").split()[0]) == value, field
+    return value
+
+
+def as_rate(field: dict, expected: float) -> None:
+    """A rate: data-value exact, the text ("91.4%") within the rounding of one decimal."""
+    assert float(field["value"]) == pytest.approx(expected, abs=1e-12), field
+    shown = float(field["text"].rstrip("%")) / 100
+    assert abs(shown - expected) <= 0.0005 + 1e-9, (field, expected)
+
+
+def as_seconds(field: dict, expected: float | None) -> None:
+    if expected is None:
+        assert field["value"] == "" and field["text"] == "–", field
+        return
+    assert float(field["value"]) == pytest.approx(expected, abs=1e-12), field
+    number, unit = field["text"].split()
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    scale = {"ms": 1e-3, "s": 1.0}[unit]
+    assert abs(float(number) * scale - expected) <= 0.5 * 10 ** -decimals * scale + 1e-12, (
+        field, expected)
+
+
+def short(url: str) -> str:
+    return re.sub(r"^https?://", "", url)
+
+
+# -- what the page must agree with ---------------------------------------------------------
+
+def assert_agrees(snap: dict, stats: dict) -> None:
+    t, shown = stats["totals"], snap["totals"]
+    assert snap["policy"] == stats["policy"]
+    for name in ("requests", "prompt_tokens", "cached_tokens"):
+        assert as_int(shown[name]) == t[name], name
+    assert as_int(shown["computed_tokens"]) == t["prompt_tokens"] - t["cached_tokens"]
+    as_rate(shown["hit_rate"], t["hit_rate"])
+    healthy = sum(r["health"] == "healthy" for r in stats["replicas"])
+    assert as_int(shown["healthy"]) == healthy
+    assert as_int(shown["replicas"]) == len(stats["replicas"])
+    assert as_int(shown["in_flight"]) == sum(r["in_flight"] for r in stats["replicas"])
+
+    assert [c["replica"] for c in snap["cards"]] == [r["url"] for r in stats["replicas"]]
+    pages = {"used": 0, "cached": 0, "free": 0}
+    for card, r in zip(snap["cards"], stats["replicas"]):
+        assert_card(card, r, t["requests"])
+        if r["load"]:
+            load = r["load"]
+            pages["used"] += load["total_pages"] - load["free_pages"] - load["cached_pages"]
+            pages["cached"] += load["cached_pages"]
+            pages["free"] += load["free_pages"]
+    for state, n in pages.items():
+        assert as_int(shown[f"pages_{state}"]) == n, state
+
+    assert [entry["replica"] for entry in snap["legend"]] == [r["url"] for r in stats["replicas"]]
+    for entry, r in zip(snap["legend"], stats["replicas"]):
+        assert as_int(entry["fields"]["requests"]) == r["requests"]
+        as_rate(entry["fields"]["share"], r["requests"] / t["requests"] if t["requests"] else 0)
+
+    assert_decisions(snap["decisions"], stats["decisions"])
+
+
+def assert_card(card: dict, r: dict, total_requests: int) -> None:
+    f = card["fields"]
+    assert card["title"] == r["url"]  # the full URL, as text
+    assert f["url"]["text"] == short(r["url"])
+    assert f["health"]["text"] == r["health"]
+    assert f["circuit"]["value"] == r["circuit"]
+    for name in ("requests", "failures", "prompt_tokens", "cached_tokens", "in_flight",
+                 "probed_tokens", "probed_tokens_before_hybrid_pruning"):
+        assert as_int(f[name]) == r[name], (r["url"], name)
+    assert as_int(f["computed_tokens"]) == r["prompt_tokens"] - r["cached_tokens"]
+    assert as_int(f["pruned_tokens"]) == (r["probed_tokens_before_hybrid_pruning"]
+                                         - r["probed_tokens"])
+    as_rate(f["hit_rate"], r["hit_rate"])
+    as_rate(f["share"], r["requests"] / total_requests if total_requests else 0.0)
+    as_seconds(f["ttft_p50_s"], r["ttft_p50_s"])
+    as_seconds(f["ttft_p99_s"], r["ttft_p99_s"])
+    load = r["load"]
+    if load is None:
+        for name in ("pages_used", "pages_cached", "pages_free", "running", "waiting"):
+            assert f[name]["value"] == "" and f[name]["text"] == "–", name
+        return
+    assert as_int(f["pages_used"]) == (load["total_pages"] - load["free_pages"]
+                                       - load["cached_pages"])
+    assert as_int(f["pages_cached"]) == load["cached_pages"]
+    assert as_int(f["pages_free"]) == load["free_pages"]
+    assert as_int(f["total_pages"]) == load["total_pages"]
+    for name in ("running", "waiting", "queued_prefill_tokens"):
+        assert as_int(f[name]) == load[name], name
+
+
+def assert_decisions(shown: list[dict], decisions: list[dict]) -> None:
+    assert len(shown) == min(SHOWN_DECISIONS, len(decisions))
+    for d, want in zip(shown, decisions):
+        assert d["request_id"] == want["request_id"]
+        assert d["head"]["chosen"]["value"] == want["chosen"]
+        assert d["head"]["reason"]["text"] == want["reason"]
+        assert as_int(d["head"]["prompt_tokens"]) == want["prompt_tokens"]
+        assert [c["replica"] for c in d["candidates"]] == [c["replica"] for c in
+                                                             want["candidates"]]
+        assert [c["replica"] for c in d["candidates"] if c["chosen"]] == [want["chosen"]]
+        for row, c in zip(d["candidates"], want["candidates"]):
+            for name in ("reuse", "reuse_before_hybrid_pruning", "pending_reuse",
+                         "queued_prefill_tokens", "running", "waiting", "in_flight"):
+                if c[name] is None:
+                    assert row["fields"][name]["value"] == "", name
+                else:
+                    assert as_int(row["fields"][name]) == c[name], name
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+def test_dashboard_follows_live_traffic(live, browser):
+    page, errors, outside = browser
+    try:
+        page.goto(live.router.url + "/dashboard?interval=250")
+        page.evaluate("() => { window.__sameDocument = 42; }")
+        before = live.stats()
+        snap = wait_for(page, lambda s: s["polls"] >= 2 and s["totals"]["requests"]["value"]
+                        == str(before["totals"]["requests"]), "the first polls")
+        assert snap["status"] == "live"
+        assert_agrees(snap, live.stats())
+
+        # Wave 1: shared prefixes, so repeats hit; the page follows without a reload.
+        sent = live.traffic(24)
+        stats = live.stats()
+        assert stats["totals"]["requests"] == before["totals"]["requests"] + 24
+        assert stats["totals"]["hit_rate"] > 0
+        snap = wait_for(page, lambda s: s["totals"]["requests"]["value"]
+                        == str(stats["totals"]["requests"]), "wave 1 on the page")
+        assert_agrees(snap, live.stats())
+        assert as_int(snap["totals"]["requests"]) == before["totals"]["requests"] + 24
+        first_decision = snap["decisions"][0]["request_id"]
+        assert snap["decisions"][0]["head"]["reason"]["text"]  # a reason is shown
+
+        # Wave 2 in bursts, so the hit-rate history has points over time.
+        for burst in range(4):
+            time.sleep(0.5)
+            sent += live.traffic(6, start=24 + 6 * burst)
+        stats = live.stats()
+        snap = wait_for(page, lambda s: s["totals"]["requests"]["value"]
+                        == str(stats["totals"]["requests"]), "wave 2 on the page")
+        stats = live.stats()
+        assert_agrees(snap, stats)
+        assert snap["decisions"][0]["request_id"] != first_decision
+        assert snap["marker"] == 42, "the page reloaded instead of updating in place"
+        assert float(snap["totals"]["hit_rate"]["value"]) > 0
+        assert snap["totals"]["hit_rate_recent"]["value"] not in ("", None)
+        assert snap["chartSeries"] >= 2  # at least one replica and the cluster line
+        for card in snap["cards"]:
+            if card["replica"] in set(sent):
+                assert card["sparkPoints"] >= 2, card["replica"]
+
+        assert errors == []
+        assert outside == []
+    finally:  # kept also when an assertion failed, to see what the page showed
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+
+def test_replica_names_are_text_and_unreachable_replicas_show(live, browser):
+    page, errors, _ = browser
+    page.goto(live.router.url + "/dashboard?interval=250")
+    snap = wait_for(page, lambda s: s["polls"] >= 2, "the first polls")
+    card = next(c for c in snap["cards"] if c["replica"] == live.bogus)
+    assert card["title"] == live.bogus
+    assert card["fields"]["url"]["text"] == short(live.bogus)  # "<svg/onload=...>" as text
+    assert card["fields"]["health"]["text"] == "unhealthy"
+    assert "Cannot connect" in card["fields"]["problem"]["text"]
+    assert card["fields"]["pages_used"]["text"] == "–"  # no load known: not zero
+    assert snap["xss"] is None and snap["injected"] == 0
+    assert as_int(snap["totals"]["healthy"]) == 3 and as_int(snap["totals"]["replicas"]) == 4
+    assert errors == []
+
+
+def test_dashboard_is_self_contained_and_locked_down(live):
+    r = httpx.get(live.router.url + "/dashboard")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "connect-src 'self'" in csp
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", r.text)  # nothing from a CDN
+    for path in sorted(STATIC.iterdir()):
+        asset = httpx.get(f"{live.router.url}/dashboard/static/{path.name}")
+        assert asset.status_code == 200 and asset.headers["x-content-type-options"] == "nosniff"
+        if path.suffix == ".js":  # module scripts need a JavaScript type
+            assert asset.headers["content-type"].startswith("text/javascript"), path.name
+            # text from the router goes in as text: no HTML parsing, no eval
+            assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|"
+                                 r"\beval\(|new Function", asset.text), path.name
+    assert httpx.get(live.router.url + "/dashboard/static/../app.py").status_code == 404
+
+
+def test_missing_files_do_not_stop_the_router(tmp_path, monkeypatch):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from router import dashboard
+
+    monkeypatch.setattr(dashboard, "STATIC", tmp_path / "absent")
+    app = FastAPI()
+    dashboard.install_dashboard(app)
+    client = TestClient(app)
+    r = client.get("/dashboard")
+    assert r.status_code == 503 and "router/static" in r.text
+    assert client.get("/dashboard/static/dashboard.js").status_code == 404
