@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 
 
 def _percentile(values, q: float) -> float | None:
@@ -28,6 +29,7 @@ def replica_view(rep) -> dict:
         "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "load": load,
+        "load_age_s": (time.monotonic() - rep.load_at) if rep.load is not None else None,
     }
 
 
