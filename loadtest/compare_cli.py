@@ -16,18 +16,14 @@ from pathlib import Path
 
 from . import compare
 from .driver import DriverConfig
-from .workloads import add_workload_arguments, workload_from_args
+from .workloads import add_workload_arguments, use_reference_workload, workload_from_args
 
 ALL_POLICIES = "prefix,approx_prefix,round_robin,random,least_loaded,power_of_two,session"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.set_defaults(workload="shared-prefix", groups=32, prompts_per_group=16, system_len=2048,
-                   question_len=128, output_len=32)
-    for action in p._actions:
-        if action.dest == "workload":
-            action.required = False
+    use_reference_workload(p)
     c = p.add_argument_group("clusters")
     c.add_argument("--policies", default=ALL_POLICIES, help="comma-separated (all seven)")
     c.add_argument("--replicas", type=int, default=8)

@@ -18,18 +18,14 @@ from replicas.engines.sim import SimTiming
 
 from .driver import arrival_offsets
 from .simulate import SimConfig, SimResult, bound_hit_rate, simulate, to_sim_requests
-from .workloads import add_workload_arguments, workload_from_args
+from .workloads import add_workload_arguments, use_reference_workload, workload_from_args
 
 DEFAULT_POLICIES = "prefix,approx_prefix,round_robin,random,least_loaded,power_of_two,session"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.set_defaults(workload="shared-prefix", groups=32, prompts_per_group=16, system_len=2048,
-                   question_len=128, output_len=32)
-    for action in p._actions:
-        if action.dest == "workload":
-            action.required = False
+    use_reference_workload(p)
     s = p.add_argument_group("simulation")
     s.add_argument("--rate", type=float, default=40.0, help="Poisson arrivals per second (40)")
     s.add_argument("--burstiness", type=float, default=1.0)

@@ -243,6 +243,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                    help="trace: tokens per hash id (512, as in Mooncake traces)")
 
 
+def use_reference_workload(parser: argparse.ArgumentParser) -> None:
+    """Make the project's reference workload the default (BENCHMARKS.md): shared prefix,
+    32 groups x 16 prompts, 2048-token system prompts, 128-token questions, 32 output
+    tokens; ``--workload`` becomes optional."""
+    parser.set_defaults(workload="shared-prefix", groups=32, prompts_per_group=16,
+                        system_len=2048, question_len=128, output_len=32)
+    for action in parser._actions:
+        if action.dest == "workload":
+            action.required = False
+
+
 def workload_from_args(args: argparse.Namespace) -> tuple[list[Request], dict]:
     """The requests and a JSON-able description (name and parameters) for the report."""
     name = args.workload

@@ -114,12 +114,9 @@ class ReplicaService:
 
     def completion_tokens(self, req: CompletionRequest) -> list[int]:
         self._check_model(req)
-        if req.prompt_token_ids_b64 is not None:
-            return self._checked_array(_decode_b64(req.prompt_token_ids_b64,
-                                                   "prompt_token_ids_b64"),
-                                       "prompt_token_ids_b64").tolist()
-        if req.prompt_token_ids is not None:
-            return self._checked_ids(req.prompt_token_ids, "prompt_token_ids")
+        given = self._given_ids(req)
+        if given is not None:
+            return given
         p = req.prompt
         if isinstance(p, str):
             return self.tokenizer.encode(p)
@@ -131,13 +128,18 @@ class ReplicaService:
 
     def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         self._check_model(req)
+        given = self._given_ids(req)
+        return given if given is not None else self._render(req.messages)
+
+    def _given_ids(self, req) -> list[int] | None:
+        """Token ids the request carries already (the router's), checked; else None."""
         if req.prompt_token_ids_b64 is not None:
             return self._checked_array(_decode_b64(req.prompt_token_ids_b64,
                                                    "prompt_token_ids_b64"),
                                        "prompt_token_ids_b64").tolist()
         if req.prompt_token_ids is not None:
             return self._checked_ids(req.prompt_token_ids, "prompt_token_ids")
-        return self._render(req.messages)
+        return None
 
     def new_sequence(self, tokens: list[int], req: _GenerationParams, default_max: int,
                      request_id: str | None = None) -> Sequence:

@@ -56,34 +56,49 @@ class ReplicaSettings(BaseSettings):
     log_level: str = "info"
 
 
-def load_settings(cli: dict[str, Any], config_file: str | None = None) -> ReplicaSettings:
-    """Merge: flags given on the command line, then the environment, then the YAML file."""
-    config_file = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
+def merge_settings(cls: type[BaseSettings], section: str, cli: dict[str, Any],
+                   config_file: str | None) -> Any:
+    """``cls`` from, in order of precedence: flags given on the command line, the
+    environment (``cls``'s prefix), the YAML file (its ``section:`` mapping, or the whole
+    file), the defaults. Shared by the replica's and the router's settings."""
+    prefix = cls.model_config.get("env_prefix", "")
+    config_file = config_file or os.environ.get(f"{prefix}CONFIG")
     from_file: dict[str, Any] = {}
     if config_file:
         data = yaml.safe_load(Path(config_file).read_text()) or {}
-        data = data.get("replica", data)
+        data = data.get(section, data)
         if not isinstance(data, dict):
-            raise ValueError(f"{config_file}: expected a mapping of replica settings")
+            raise ValueError(f"{config_file}: expected a mapping of {section} settings")
         from_file = {k.replace("-", "_"): v for k, v in data.items()
-                     if f"{ENV_PREFIX}{k.replace('-', '_').upper()}" not in os.environ}
-    return ReplicaSettings(**{**from_file, **{k: v for k, v in cli.items() if v is not None}})
+                     if f"{prefix}{k.replace('-', '_').upper()}" not in os.environ}
+    return cls(**{**from_file, **{k: v for k, v in cli.items() if v is not None}})
 
 
-def parse_args(argv: list[str] | None = None) -> ReplicaSettings:
-    parser = argparse.ArgumentParser(
-        prog="python -m replicas",
-        description="A replica: an engine around one KV-cache manager, OpenAI-compatible.",
-    )
+def settings_from_argv(cls: type[BaseSettings], section: str, prog: str, description: str,
+                       argv: list[str] | None) -> Any:
+    """A flag per field of ``cls`` (``--kv-pages``; booleans get ``--no-...``), plus
+    ``--config FILE``; then ``merge_settings``."""
+    prefix = cls.model_config.get("env_prefix", "")
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML file of settings (see config/)")
-    for name, field in ReplicaSettings.model_fields.items():
+    for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=None)
         else:
             parser.add_argument(flag, dest=name, default=None,
-                                help=f"(env {ENV_PREFIX}{name.upper()})")
+                                help=f"(env {prefix}{name.upper()})")
     args = vars(parser.parse_args(argv))
     config = args.pop("config")
-    return load_settings(args, config)
+    return merge_settings(cls, section, args, config)
+
+
+def load_settings(cli: dict[str, Any], config_file: str | None = None) -> ReplicaSettings:
+    return merge_settings(ReplicaSettings, "replica", cli, config_file)
+
+
+def parse_args(argv: list[str] | None = None) -> ReplicaSettings:
+    return settings_from_argv(
+        ReplicaSettings, "replica", "python -m replicas",
+        "A replica: an engine around one KV-cache manager, OpenAI-compatible.", argv)

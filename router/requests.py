@@ -42,15 +42,21 @@ class Prepared:
     body: bytes  # what goes upstream
 
 
-def parse_body(raw: bytes, kind: str):
-    """JSON body -> (dict, validated model); APIError 400 on anything malformed or not
-    supported by our replicas."""
+def json_object(raw: bytes) -> dict:
+    """The body as a JSON object; APIError 400 otherwise."""
     try:
         data = json.loads(raw)
     except ValueError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    return data
+
+
+def parse_body(raw: bytes, kind: str):
+    """JSON body -> (dict, validated model); APIError 400 on anything malformed or not
+    supported by our replicas."""
+    data = json_object(raw)
     for name in INTERNAL_FIELDS:
         data.pop(name, None)
     schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
@@ -101,12 +107,7 @@ class RequestBuilder:
     def _pass_through(self, kind: str, raw: bytes, headers, request_id: str) -> Prepared:
         """Other back ends get the client's body unchanged; the router only reads enough of
         it to route (model, stream, a text rendering for approx_prefix)."""
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
+        data = json_object(raw)
         field = "messages" if kind == "chat" else "prompt"
         if not data.get(field):
             raise APIError(400, f"{field} is required and must not be empty", param=field)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
-import yaml
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from replicas.settings import merge_settings, settings_from_argv
 
 ENV_PREFIX = "ROUTER_"
 
@@ -72,33 +70,10 @@ class RouterSettings(BaseSettings):
 
 
 def load_settings(cli: dict[str, Any], config_file: str | None = None) -> RouterSettings:
-    """Merge: flags given on the command line, then the environment, then the YAML file."""
-    config_file = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG")
-    from_file: dict[str, Any] = {}
-    if config_file:
-        data = yaml.safe_load(Path(config_file).read_text()) or {}
-        data = data.get("router", data)
-        if not isinstance(data, dict):
-            raise ValueError(f"{config_file}: expected a mapping of router settings")
-        from_file = {k.replace("-", "_"): v for k, v in data.items()
-                     if f"{ENV_PREFIX}{k.replace('-', '_').upper()}" not in os.environ}
-    return RouterSettings(**{**from_file, **{k: v for k, v in cli.items() if v is not None}})
+    return merge_settings(RouterSettings, "router", cli, config_file)
 
 
 def parse_args(argv: list[str] | None = None) -> RouterSettings:
-    parser = argparse.ArgumentParser(
-        prog="python -m router",
-        description="Prefix-aware router in front of LLM replicas (OpenAI-compatible).",
-    )
-    parser.add_argument("--config", help="YAML file of settings (see config/)")
-    for name, field in RouterSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=None)
-        else:
-            parser.add_argument(flag, dest=name, default=None,
-                                help=f"(env {ENV_PREFIX}{name.upper()})")
-    args = vars(parser.parse_args(argv))
-    config = args.pop("config")
-    return load_settings(args, config)
+    return settings_from_argv(
+        RouterSettings, "router", "python -m router",
+        "Prefix-aware router in front of LLM replicas (OpenAI-compatible).", argv)
