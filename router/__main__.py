@@ -21,9 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m router: bad settings:\n{exc}", file=sys.stderr)
         return 2
-    if not settings.replicas:
-        logging.getLogger("router").warning("no --replicas given: nothing to route to until "
-                                            "one is added through the admin API")
+    if not settings.replicas and not settings.discover_dns:
+        logging.getLogger("router").warning("no --replicas or --discover-dns given: nothing "
+                                            "to route to until one is added through the "
+                                            "admin API")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ class RouterService:
         self.decisions: deque[Routed] = deque(maxlen=settings.decisions_kept)
         self.metrics = None  # set by the app (router.metrics.RouterMetrics)
         self._health_task: asyncio.Task | None = None
+        self._discover_task: asyncio.Task | None = None
+        self._discovered: set[str] = set()
 
     # -- life --------------------------------------------------------------------------
 
@@ -90,10 +93,14 @@ class RouterService:
             self.registry.add(url)
         await asyncio.gather(*(self.check(r) for r in self.registry.replicas.values()))
         self._health_task = asyncio.create_task(self._health_loop(), name="health")
+        if self.settings.discover_dns:
+            await self.discover_once()
+            self._discover_task = asyncio.create_task(self._discover_loop(), name="discover")
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._discover_task):
+            if task is not None:
+                task.cancel()
         await self.upstream.close()
 
     async def add_replica(self, url: str) -> Replica:
@@ -108,6 +115,44 @@ class RouterService:
     def remove_replica(self, url: str) -> None:
         self.registry.remove(url)
         self.policy.forget(url)
+
+    # -- DNS discovery -----------------------------------------------------------------
+
+    async def resolve(self, host: str, port: int) -> set[str]:
+        """Base URLs of every address ``host`` resolves to (A and AAAA records)."""
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)
+        urls = set()
+        for family, _, _, _, addr in infos:
+            ip = addr[0]
+            urls.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else
+                     f"http://{ip}:{port}")
+        return urls
+
+    async def discover_once(self) -> None:
+        """Add replicas that appeared under the DNS name, drop those that vanished.
+        A failed lookup changes nothing (a DNS hiccup must not empty the pool)."""
+        host, _, port = self.settings.discover_dns.rpartition(":")
+        try:
+            found = await self.resolve(host, int(port))
+        except OSError as exc:
+            log.warning("DNS discovery of %s failed: %s", self.settings.discover_dns, exc)
+            return
+        for url in sorted(found - self._discovered):
+            if self.registry.get(url) is None:
+                replica = self.registry.add(url)
+                await self.check(replica)
+                log.info("discovered replica %s (%s)", url, replica.health.value)
+        for url in sorted(self._discovered - found):
+            if self.registry.get(url) is not None:
+                self.remove_replica(url)
+                log.info("replica %s left %s: removed", url, self.settings.discover_dns)
+        self._discovered = found
+
+    async def _discover_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.discover_interval_s)
+            await self.discover_once()
 
     # -- admission and health ----------------------------------------------------------
 

@@ -21,6 +21,10 @@ class RouterSettings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # Replica base URLs, comma-separated on the command line and in the environment.
     replicas: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Replicas found through DNS (a Kubernetes headless Service): HOST:PORT, re-resolved
+    # every discover_interval_s; each address becomes http://IP:PORT (same checks as any).
+    discover_dns: Optional[str] = None
+    discover_interval_s: float = Field(default=10.0, gt=0)
     backend: Literal["ours", "openai"] = "ours"
     policy: str = "prefix"
     seed: Optional[int] = None  # random tie-breaks; set for reproducible runs
@@ -56,6 +60,15 @@ class RouterSettings(BaseSettings):
     def _split(cls, v):
         if isinstance(v, str):
             v = [u for u in (p.strip() for p in v.split(",")) if u]
+        return v
+
+    @field_validator("discover_dns")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            host, _, port = v.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"discover_dns must be HOST:PORT, got {v!r}")
         return v
 
     @field_validator("replicas")
