@@ -120,7 +120,12 @@ class Attempt:
             self.usage = usage
 
     def close(self) -> None:
-        self.response.release() if self.finished else self.response.close()
+        """A finished response's connection goes back to the pool; an unfinished one is
+        closed (which is also how the replica learns that the client went away)."""
+        if self.finished:
+            self.response.release()
+        else:
+            self.response.close()
 
 
 def collect(events: list[bytes], chat: bool) -> dict:
