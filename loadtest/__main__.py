@@ -23,7 +23,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     with LocalCluster(args.replicas, args.policy, replica_args,
                       router_port=args.port or None) as c:
         url = c.router.url
-        print(f"router     {url}   (stats {url}/stats, metrics {url}/metrics)")
+        print(f"router     {url}   (dashboard {url}/dashboard, stats {url}/stats)")
         for r in c.replicas:
             print(f"replica    {r.url}")
         demo = httpx.post(url + "/v1/chat/completions", timeout=60, json={
