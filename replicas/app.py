@@ -17,6 +17,8 @@ from pydantic import ValidationError
 
 from .body_limit import BodySizeLimit
 from .errors import APIError, install_error_handlers
+from .openapi import body_schema, not_ready_body
+from .openapi import install as install_openapi
 from .responses import DONE, Formatter, text_pieces
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                       CompletionResponse, ErrorResponse, ModelList, ProbeRequest, ProbeResponse,
@@ -26,12 +28,6 @@ from .service import ReplicaService, new_request_id
 from .settings import ReplicaSettings
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
-
-
-def _body_schema(model) -> dict:
-    """Declare a request model in the OpenAPI schema for a route that reads the raw body."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
 def create_app(settings: ReplicaSettings, service: ReplicaService | None = None) -> FastAPI:
@@ -46,6 +42,7 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     app = FastAPI(title="replica", lifespan=lifespan)
     app.state.service = service
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     def internal_auth(request: Request) -> None:
@@ -74,7 +71,7 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
                                settings.default_chat_max_tokens)
 
     @app.post("/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
-              openapi_extra=_body_schema(ProbeRequest))
+              openapi_extra=body_schema(ProbeRequest))
     async def probe_reuse(request: Request):
         # The hot path (the router asks every replica for every request): the body is
         # validated straight from bytes by pydantic-core, and the answer is a ready Response.
@@ -101,7 +98,7 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
         if service.ready and not service.draining:
             return {"status": "ready"}
         state = "draining" if service.draining else "starting"
-        return JSONResponse({"status": state}, status_code=503)
+        return JSONResponse(not_ready_body(state), status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():

@@ -8,6 +8,7 @@ differently.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from collections.abc import Sequence
@@ -70,25 +71,16 @@ class ByteTokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a stream of token ids into text pieces without splitting UTF-8 characters."""
+    """Turns a stream of token ids into text pieces without splitting UTF-8 characters;
+    invalid bytes become U+FFFD exactly as ``bytes.decode(errors="replace")`` would."""
 
     def __init__(self) -> None:
-        self._pending = bytearray()
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
         if token >= 256:
             return ""
-        self._pending.append(token)
-        try:
-            text = self._pending.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            if exc.reason == "unexpected end of data" and len(self._pending) < 4:
-                return ""
-            text = self._pending.decode("utf-8", errors="replace")
-        self._pending.clear()
-        return text
+        return self._decoder.decode(bytes((token,)))
 
     def flush(self) -> str:
-        text = self._pending.decode("utf-8", errors="replace")
-        self._pending.clear()
-        return text
+        return self._decoder.decode(b"", final=True)

@@ -14,6 +14,8 @@ from pydantic import BaseModel
 
 from replicas.body_limit import BodySizeLimit
 from replicas.errors import APIError, install_error_handlers
+from replicas.openapi import body_schema, not_ready_body
+from replicas.openapi import install as install_openapi
 from replicas.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                               CompletionResponse, ErrorResponse)
 
@@ -45,15 +47,16 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
     app = FastAPI(title="router", lifespan=lifespan)
     app.state.service = svc
     install_error_handlers(app)
+    install_openapi(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS,
-              openapi_extra=_body_schema(CompletionRequest))
+              openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
         return await _route(svc, request, "completion")
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS,
-              openapi_extra=_body_schema(ChatCompletionRequest))
+              openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await _route(svc, request, "chat")
 
@@ -72,7 +75,7 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
     async def ready():
         if svc.registry.eligible(None):
             return {"status": "ready"}
-        return JSONResponse({"status": "no eligible replica"}, status_code=503)
+        return JSONResponse(not_ready_body("no eligible replica"), status_code=503)
 
     @app.get("/stats")
     async def stats() -> dict:
@@ -86,13 +89,6 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
     install_dashboard(app)
     _admin_routes(app, svc, settings)
     return app
-
-
-def _body_schema(model: type[BaseModel]) -> dict:
-    """Declare the request model in the OpenAPI schema; the route reads the raw body so
-    that unknown fields pass through to replicas untouched."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
 def _admin_routes(app: FastAPI, svc: RouterService, settings: RouterSettings) -> None:
