@@ -22,7 +22,7 @@ from .openapi import install as install_openapi
 from .responses import DONE, Formatter, text_pieces
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                       CompletionResponse, ErrorResponse, ModelList, ProbeRequest, ProbeResponse,
-                      _GenerationParams)
+                      _GenerationParams, Status)
 from .sequence import Sequence
 from .service import ReplicaService, new_request_id
 from .settings import ReplicaSettings
@@ -89,14 +89,14 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     async def models() -> ModelList:
         return ModelList(data=[service.model_card()])
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", response_model=Status)
+    async def health() -> Status:
+        return Status(status="ok")
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    @app.get("/ready", response_model=Status, responses={503: {"model": ErrorResponse}})
     async def ready():
         if service.ready and not service.draining:
-            return {"status": "ready"}
+            return Status(status="ready")
         state = "draining" if service.draining else "starting"
         return JSONResponse(not_ready_body(state), status_code=503)
 

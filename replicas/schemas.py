@@ -258,3 +258,23 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Status(BaseModel):
+    """``/health`` (always ``ok``) and ``/ready`` when ready."""
+
+    status: str
+
+
+class ServedModel(BaseModel):
+    """A model as the router lists it (the union of its replicas' models)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefix-router"
+
+
+class ServedModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ServedModel]

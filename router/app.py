@@ -17,7 +17,8 @@ from replicas.errors import APIError, install_error_handlers
 from replicas.openapi import body_schema, not_ready_body
 from replicas.openapi import install as install_openapi
 from replicas.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                              CompletionResponse, ErrorResponse)
+                              CompletionResponse, ErrorResponse, ServedModel, ServedModelList,
+                              Status)
 
 from .dashboard import install_dashboard
 from .metrics import RouterMetrics
@@ -60,21 +61,20 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
     async def chat_completions(request: Request):
         return await _route(svc, request, "chat")
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    @app.get("/v1/models", response_model=ServedModelList)
+    async def models() -> ServedModelList:
         created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": "prefix-router"}
-            for m in sorted(svc.models())]}
+        return ServedModelList(data=[ServedModel(id=m, created=created)
+                                     for m in sorted(svc.models())])
 
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    @app.get("/health", response_model=Status)
+    async def health() -> Status:
+        return Status(status="ok")
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    @app.get("/ready", response_model=Status, responses={503: {"model": ErrorResponse}})
     async def ready():
         if svc.registry.eligible(None):
-            return {"status": "ready"}
+            return Status(status="ready")
         return JSONResponse(not_ready_body("no eligible replica"), status_code=503)
 
     @app.get("/stats")
