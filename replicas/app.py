@@ -22,7 +22,7 @@ from .openapi import install as install_openapi
 from .responses import DONE, Formatter, text_pieces
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                       CompletionResponse, ErrorResponse, ModelList, ProbeRequest, ProbeResponse,
-                      _GenerationParams, Status)
+                      ReplicaStats, _GenerationParams, Status)
 from .sequence import Sequence
 from .service import ReplicaService, new_request_id
 from .settings import ReplicaSettings
@@ -105,7 +105,8 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
         return PlainTextResponse(generate_latest(service.metrics.registry),
                                  media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/stats", dependencies=[Depends(internal_auth)])
+    @app.get("/stats", response_model=ReplicaStats, responses=_ERRORS,
+             dependencies=[Depends(internal_auth)])
     async def stats() -> dict:
         return _stats(service)
 

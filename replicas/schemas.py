@@ -278,3 +278,49 @@ class ServedModel(BaseModel):
 class ServedModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ServedModel]
+
+
+# -- /stats ------------------------------------------------------------------------------
+
+class PoolStatsOut(BaseModel):
+    num_pages: int
+    free_pages: int
+    used_pages: int
+    cached_pages: int
+
+
+class KVCacheStatsOut(BaseModel):
+    tokens_per_block: int
+    num_pages: int
+    free_pages: int
+    used_pages: int
+    cached_pages: int
+    cached_blocks: int
+    pools: list[PoolStatsOut]
+    evicted_blocks: int
+
+
+class ReuseStatsOut(BaseModel):
+    queries: int
+    query_tokens: int
+    hit_tokens: int
+    hit_tokens_before_hybrid_pruning: int
+    token_hit_rate: float
+
+
+class SchedulerStatsOut(BaseModel):
+    running: int
+    waiting: int
+    steps: int
+    preemptions: int
+
+
+class ReplicaStats(BaseModel):
+    """A replica's ``/stats``."""
+
+    model: str
+    engine: dict[str, Any]
+    kv_cache: KVCacheStatsOut
+    reuse: ReuseStatsOut
+    scheduler: SchedulerStatsOut
+    load: LoadSnapshot

@@ -26,7 +26,7 @@ from .proxy import DONE, Attempt, UpstreamRefused, collect, error_event
 from .requests import Prepared
 from .service import Flight, RouterService
 from .settings import RouterSettings
-from .stats import stats_view
+from .stats import AdminResult, ReplicaList, RouterStats, stats_view
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 502, 503)}
 
@@ -77,7 +77,7 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
             return Status(status="ready")
         return JSONResponse(not_ready_body("no eligible replica"), status_code=503)
 
-    @app.get("/stats")
+    @app.get("/stats", response_model=RouterStats)
     async def stats() -> dict:
         return stats_view(svc)
 
@@ -100,12 +100,15 @@ def _admin_routes(app: FastAPI, svc: RouterService, settings: RouterSettings) ->
         if not hmac.compare_digest(given, f"Bearer {settings.admin_token}".encode()):
             raise APIError(401, "missing or wrong admin token", type="authentication_error")
 
-    @app.get("/admin/replicas")
+    admin_errors = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409)}
+
+    @app.get("/admin/replicas", response_model=ReplicaList, responses=admin_errors)
     async def list_replicas(request: Request) -> dict:
         check(request)
         return {"replicas": stats_view(svc)["replicas"]}
 
-    @app.post("/admin/replicas")
+    @app.post("/admin/replicas", response_model=AdminResult, response_model_exclude_none=True,
+              responses=admin_errors)
     async def add_replica(body: ReplicaURL, request: Request) -> dict:
         check(request)
         if not body.url.startswith(("http://", "https://")):
@@ -115,14 +118,16 @@ def _admin_routes(app: FastAPI, svc: RouterService, settings: RouterSettings) ->
         replica = await svc.add_replica(body.url)
         return {"added": replica.url, "model": replica.model}
 
-    @app.post("/admin/replicas/drain")
+    @app.post("/admin/replicas/drain", response_model=AdminResult,
+              response_model_exclude_none=True, responses=admin_errors)
     async def drain_replica(body: ReplicaURL, request: Request) -> dict:
         check(request)
         replica = _known(svc, body.url)
         replica.draining = True
         return {"draining": replica.url, "in_flight": replica.in_flight}
 
-    @app.delete("/admin/replicas")
+    @app.delete("/admin/replicas", response_model=AdminResult,
+              response_model_exclude_none=True, responses=admin_errors)
     async def remove_replica(body: ReplicaURL, request: Request) -> dict:
         check(request)
         _known(svc, body.url)

@@ -1,10 +1,15 @@
-"""``/stats``: per-replica reuse, latency, health and load, and the latest decisions."""
+"""``/stats``: per-replica reuse, latency, health and load, and the latest decisions.
+
+The pydantic models at the end are the declared response schema (OpenAPI)."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
 import time
+from typing import Optional
+
+from pydantic import BaseModel
 
 
 def _percentile(values, q: float) -> float | None:
@@ -63,3 +68,92 @@ def stats_view(svc) -> dict:
         "replicas": replicas,
         "decisions": [decision_view(d) for d in reversed(svc.decisions)],
     }
+
+
+# -- the response schema -----------------------------------------------------------------
+
+class LoadView(BaseModel):
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    prefill_tokens_per_s: float = 0.0
+    cached_pages: int = 0
+
+
+class ReplicaView(BaseModel):
+    url: str
+    model: Optional[str]
+    health: str
+    circuit: str
+    draining: bool
+    problem: str
+    in_flight: int
+    requests: int
+    failures: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    probed_tokens: int
+    probed_tokens_before_hybrid_pruning: int
+    ttft_p50_s: Optional[float]
+    ttft_p99_s: Optional[float]
+    ttft_mean_s: Optional[float]
+    load: Optional[LoadView]
+    load_age_s: Optional[float]
+
+
+class CandidateView(BaseModel):
+    replica: str
+    reuse: Optional[int]
+    reuse_before_hybrid_pruning: Optional[int]
+    pending_reuse: int
+    queued_prefill_tokens: Optional[int]
+    running: Optional[int]
+    waiting: Optional[int]
+    in_flight: int
+    score: Optional[float]
+    note: str
+
+
+class DecisionView(BaseModel):
+    at: float
+    request_id: str
+    model: Optional[str]
+    prompt_tokens: int
+    chosen: str
+    reason: str
+    probe_ms: float
+    candidates: list[CandidateView]
+
+
+class Totals(BaseModel):
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+
+
+class RouterStats(BaseModel):
+    """The router's ``/stats``."""
+
+    policy: str
+    backend: str
+    totals: Totals
+    replicas: list[ReplicaView]
+    decisions: list[DecisionView]
+
+
+class ReplicaList(BaseModel):
+    replicas: list[ReplicaView]
+
+
+class AdminResult(BaseModel):
+    """What an admin call did (the fields that apply)."""
+
+    added: Optional[str] = None
+    model: Optional[str] = None
+    draining: Optional[str] = None
+    in_flight: Optional[int] = None
+    removed: Optional[str] = None
