@@ -11,6 +11,8 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from .policies import LoadInfo
+
 
 def _percentile(values, q: float) -> float | None:
     if not values:
@@ -72,16 +74,6 @@ def stats_view(svc) -> dict:
 
 # -- the response schema -----------------------------------------------------------------
 
-class LoadView(BaseModel):
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    free_pages: int = 0
-    total_pages: int = 0
-    prefill_tokens_per_s: float = 0.0
-    cached_pages: int = 0
-
-
 class ReplicaView(BaseModel):
     url: str
     model: Optional[str]
@@ -100,7 +92,7 @@ class ReplicaView(BaseModel):
     ttft_p50_s: Optional[float]
     ttft_p99_s: Optional[float]
     ttft_mean_s: Optional[float]
-    load: Optional[LoadView]
+    load: Optional[LoadInfo]  # as the replica last reported it
     load_age_s: Optional[float]
 
 
