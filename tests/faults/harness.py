@@ -57,6 +57,12 @@ def summary(records, decisions, victim_url, marks):
     }
 
 
+def mark(marks, name):
+    """Note when a phase (``fault``, ``back``) began: monotonic for client-side figures,
+    wall clock to compare with the router's decision log."""
+    marks[name], marks[name + "_wall"] = time.monotonic(), time.time()
+
+
 def record(name, data):
     ARTIFACTS.mkdir(exist_ok=True)
     (ARTIFACTS / f"faults-{name}.json").write_text(json.dumps(data, indent=2))

@@ -8,13 +8,13 @@ out before any kill (tests/procs.py).
 
 import asyncio
 import signal
-import time
 
 import httpx
 
 from tests.procs import Proc
 
-from .harness import REPLICA, ROUTER, load, record, summary
+from .harness import REPLICA, ROUTER, load, mark, record, summary
+
 
 def test_a_hung_replica_is_routed_around_and_taken_back():
     reps = [Proc("replicas", *REPLICA) for _ in range(3)]
@@ -25,10 +25,10 @@ def test_a_hung_replica_is_routed_around_and_taken_back():
 
             async def events():
                 await asyncio.sleep(1.0)
-                marks["fault"], marks["fault_wall"] = time.monotonic(), time.time()
+                mark(marks, "fault")
                 victim.signal(signal.SIGSTOP)
                 await asyncio.sleep(3.0)
-                marks["back"], marks["back_wall"] = time.monotonic(), time.time()
+                mark(marks, "back")
                 victim.signal(signal.SIGCONT)
             records = asyncio.run(load(router.url, 7.0, events))
             decisions = httpx.get(router.url + "/stats").json()["decisions"]
@@ -52,12 +52,12 @@ def test_a_replica_restarted_with_an_empty_cache_rejoins():
 
             async def events():
                 await asyncio.sleep(1.0)
-                marks["fault"], marks["fault_wall"] = time.monotonic(), time.time()
+                mark(marks, "fault")
                 victim.proc.send_signal(signal.SIGKILL)
                 victim.proc.wait(5)
                 await asyncio.to_thread(lambda: reps.__setitem__(
                     0, Proc("replicas", *REPLICA, port=victim.port)))
-                marks["back"], marks["back_wall"] = time.monotonic(), time.time()
+                mark(marks, "back")
             records = asyncio.run(load(router.url, 6.0, events))
             decisions = httpx.get(router.url + "/stats").json()["decisions"]
             stats = httpx.get(reps[0].url + "/stats").json()

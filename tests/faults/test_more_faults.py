@@ -3,13 +3,13 @@ a replica killed for good, one answering 500s, one with slow probes, one cutting
 
 import asyncio
 import signal
-import time
 
 import httpx
 
 from tests.procs import Proc
 
-from .harness import REPLICA, ROUTER, load, record, summary
+from .harness import REPLICA, ROUTER, load, mark, record, summary
+
 
 
 def run(name, faulty_args=(), act=None, seconds=5.0, healthy=2, router_args=()):
@@ -23,13 +23,13 @@ def run(name, faulty_args=(), act=None, seconds=5.0, healthy=2, router_args=()):
         with Proc("router", "--replicas", ",".join(r.url for r in reps), *ROUTER,
                   "--probe-deadline-ms", "25", *router_args) as router:
             async def events():
-                marks["fault"], marks["fault_wall"] = time.monotonic(), time.time()
+                mark(marks, "fault")
                 if act is not None:
                     await asyncio.sleep(1.0)
-                    marks["fault"], marks["fault_wall"] = time.monotonic(), time.time()
+                    mark(marks, "fault")
                     act(victim)
                 await asyncio.sleep(seconds - 1.0)
-                marks["back"], marks["back_wall"] = time.monotonic(), time.time()
+                mark(marks, "back")
             records = asyncio.run(load(router.url, seconds, events))
             decisions = httpx.get(router.url + "/stats").json()["decisions"]
     finally:
