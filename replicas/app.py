@@ -10,13 +10,13 @@ import random
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from .asgi import HotRoutes, document, send_bytes
 from .body_limit import BodySizeLimit
-from .errors import APIError, install_error_handlers
+from .errors import APIError, install_error_handlers, invalid
 from .openapi import body_schema, not_ready_body
 from .openapi import install as install_openapi
 from .responses import DONE, Formatter, text_pieces
@@ -30,7 +30,9 @@ from .settings import ReplicaSettings
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 
 
-def create_app(settings: ReplicaSettings, service: ReplicaService | None = None) -> FastAPI:
+def create_app(settings: ReplicaSettings, service: ReplicaService | None = None) -> HotRoutes:
+    """The replica's ASGI app: ``/probe_reuse`` as plain ASGI (``HotRoutes``), everything
+    else FastAPI (``.app``)."""
     service = service or ReplicaService(settings)
 
     @asynccontextmanager
@@ -46,13 +48,7 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     def internal_auth(request: Request) -> None:
-        token = settings.internal_token
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise APIError(401, "missing or wrong internal token", type="authentication_error",
-                           code="invalid_token")
+        check_internal(settings.internal_token, request.headers.get("authorization", ""))
 
     faults = _Faults(settings)
 
@@ -70,20 +66,22 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
         return await _generate(service, request, body, tokens, "chat",
                                settings.default_chat_max_tokens)
 
-    @app.post("/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
-              openapi_extra=body_schema(ProbeRequest))
-    async def probe_reuse(request: Request):
-        # The hot path (the router asks every replica for every request): the body is
-        # validated straight from bytes by pydantic-core, and the answer is a ready Response.
-        internal_auth(request)
+    document(app, "POST", "/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
+             openapi_extra=body_schema(ProbeRequest))
+
+    async def probe_reuse(scope, body: bytes, receive, send) -> None:
+        # The hot path (the router asks every replica for every request): plain ASGI, the
+        # body validated straight from bytes by pydantic-core.
+        if settings.internal_token is not None:
+            check_internal(settings.internal_token, _header(scope, b"authorization"))
         try:
-            body = ProbeRequest.model_validate_json(await request.body())
+            request = ProbeRequest.model_validate_json(body)
         except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
+            raise invalid(exc.errors()) from None
         if settings.fault_probe_delay_s:
             await asyncio.sleep(settings.fault_probe_delay_s)
-        return Response(json.dumps(service.probe(body), separators=(",", ":")),
-                        media_type="application/json")
+        await send_bytes(send, 200, json.dumps(service.probe(request),
+                                               separators=(",", ":")).encode())
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -110,7 +108,25 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     async def stats() -> dict:
         return _stats(service)
 
-    return app
+    hot = HotRoutes(app, settings.max_body_bytes)
+    hot.add("POST", "/probe_reuse", probe_reuse)
+    return hot
+
+
+def check_internal(token: str | None, authorization: str) -> None:
+    """APIError 401 unless ``authorization`` carries the internal token (when one is set)."""
+    if token is None:
+        return
+    if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+        raise APIError(401, "missing or wrong internal token", type="authentication_error",
+                       code="invalid_token")
+
+
+def _header(scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
 
 
 async def _generate(service: ReplicaService, request: Request, body: _GenerationParams,

@@ -31,15 +31,26 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
+def error_headers(err: APIError) -> dict[str, str]:
+    """The error's own headers, plus ``x-should-retry: false`` on deterministic client
+    errors (every 4xx but 408, 409 and 429)."""
     headers = dict(err.headers)
     if 400 <= err.status < 500 and err.status not in (408, 409, 429):
         headers.setdefault("x-should-retry", "false")
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return headers
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=error_headers(err))
+
+
+def invalid(errors: list) -> APIError:
+    """A 400 naming the first of pydantic's validation ``errors`` (``exc.errors()``)."""
+    message, param = _validation_message(errors)
+    return APIError(400, message, param=param)
+
+
+def _validation_message(errors: list) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
@@ -59,8 +70,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        return error_response(invalid(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

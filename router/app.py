@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from replicas.asgi import HotRoutes, document, send_bytes
 from replicas.body_limit import BodySizeLimit
 from replicas.errors import APIError, install_error_handlers
 from replicas.openapi import body_schema, not_ready_body
@@ -35,7 +37,9 @@ class ReplicaURL(BaseModel):
     url: str
 
 
-def create_app(settings: RouterSettings, service: RouterService | None = None) -> FastAPI:
+def create_app(settings: RouterSettings, service: RouterService | None = None) -> HotRoutes:
+    """The router's ASGI app: the proxy endpoints as plain ASGI (``HotRoutes``), the
+    operations endpoints FastAPI (``.app``)."""
     svc = service or RouterService(settings)
     svc.metrics = RouterMetrics(svc)
 
@@ -51,15 +55,10 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
     install_openapi(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS,
-              openapi_extra=body_schema(CompletionRequest))
-    async def completions(request: Request):
-        return await _route(svc, request, "completion")
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS,
-              openapi_extra=body_schema(ChatCompletionRequest))
-    async def chat_completions(request: Request):
-        return await _route(svc, request, "chat")
+    document(app, "POST", "/v1/completions", response_model=CompletionResponse,
+             responses=_ERRORS, openapi_extra=body_schema(CompletionRequest))
+    document(app, "POST", "/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses=_ERRORS, openapi_extra=body_schema(ChatCompletionRequest))
 
     @app.get("/v1/models", response_model=ServedModelList)
     async def models() -> ServedModelList:
@@ -88,7 +87,10 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
 
     install_dashboard(app)
     _admin_routes(app, svc, settings)
-    return app
+    hot = HotRoutes(app, settings.max_body_bytes)
+    hot.add("POST", "/v1/completions", _proxy(svc, "completion"))
+    hot.add("POST", "/v1/chat/completions", _proxy(svc, "chat"))
+    return hot
 
 
 def _admin_routes(app: FastAPI, svc: RouterService, settings: RouterSettings) -> None:
@@ -142,37 +144,63 @@ def _known(svc: RouterService, url: str):
     return replica
 
 
-# -- the proxy path --------------------------------------------------------------------
+# -- the proxy path (plain ASGI: HotRoutes) -----------------------------------------------
 
-async def _route(svc: RouterService, request: Request, kind: str):
-    arrived = time.monotonic()
-    p = svc.builder.prepare(kind, await request.body(), request.headers)
-    decision, _ = await svc.decide(p)
-    reason = decision.reason.split(" (")[0]
-    tried: list[str] = []
-    if p.stream:
+def _proxy(svc: RouterService, kind: str):
+    async def handler(scope, body: bytes, receive, send) -> None:
+        arrived = time.monotonic()
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        p = svc.builder.prepare(kind, body, headers)
+        decision, _ = await svc.decide(p)
+        work = asyncio.ensure_future(_stream(svc, p, decision, arrived, send) if p.stream
+                                     else _answer(svc, p, decision, arrived, send))
+        watcher = asyncio.ensure_future(_disconnected(receive))
         try:
-            replica, attempt, flight = await _open(svc, p, decision, tried, arrived)
-        except _Passed as passed:
-            return passed.response()
-        svc.metrics.decisions.labels(replica.url, reason).inc()
-        return StreamingResponse(_relay(svc, attempt, flight, p), media_type="text/event-stream",
-                                 headers=_headers(replica.url, p))
-    task = asyncio.ensure_future(asyncio.wait_for(
-        _collect(svc, p, decision, tried, arrived, reason), svc.settings.total_timeout_s))
-    watcher = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():  # the client went away: cancelling closes the upstream request
+                work.cancel()
+        if not work.cancelled():
+            work.result()  # an APIError raised before the answer started goes to HotRoutes
+    return handler
+
+
+async def _answer(svc: RouterService, p: Prepared, decision, arrived: float, send) -> None:
+    """Non-streaming clients: collect the stream into one answer."""
+    total = svc.settings.total_timeout_s
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        async with asyncio.timeout(total):
+            status, body, headers = await _collect(svc, p, decision, arrived)
+    except TimeoutError:
+        raise APIError(504, f"no complete answer within {total:g} s (total_timeout_s)",
+                       type="server_error", code="timeout") from None
+    content_type = headers.pop("content-type", "application/json").encode("latin-1")
+    await send_bytes(send, status, body, content_type, headers)
+
+
+async def _stream(svc: RouterService, p: Prepared, decision, arrived: float, send) -> None:
+    """Streaming clients: open on the best replica that gets to its first token, then relay."""
+    try:
+        replica, attempt, flight = await _open(svc, p, decision, [], arrived)
+    except _Passed as passed:
+        return await send_bytes(send, *passed.answer())
+    svc.metrics.decisions.labels(replica.url, _reason(decision)).inc()
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"x-replica", replica.url.encode("latin-1")),
+        (b"x-request-id", p.request_id.encode("latin-1"))]})
+    events = _relay(svc, attempt, flight, p)
+    try:
+        async for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
     finally:
-        watcher.cancel()
-    if not task.done():  # the client went away: cancelling closes the upstream request
-        task.cancel()
-        return Response(status_code=499)
-    try:
-        return task.result()
-    except asyncio.TimeoutError:
-        raise APIError(504, f"no complete answer within {svc.settings.total_timeout_s:g} s "
-                       "(total_timeout_s)", type="server_error", code="timeout") from None
+        await events.aclose()  # its accounting runs now, even if sending was cancelled
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _reason(decision) -> str:
+    return decision.reason.split(" (")[0]
 
 
 async def _open(svc: RouterService, p: Prepared, decision, tried: list[str], arrived: float):
@@ -186,24 +214,29 @@ async def _open(svc: RouterService, p: Prepared, decision, tried: list[str], arr
     return replica, attempt, flight
 
 
-async def _collect(svc: RouterService, p: Prepared, decision, tried: list[str], arrived: float,
-                   reason: str) -> Response:
-    """Non-streaming clients: collect the stream; nothing was sent, so a replica that fails
-    half-way is retried on the next one."""
+async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
+                   ) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) of a whole answer. Nothing has been sent to the client, so a
+    replica that fails half-way is retried on the next one."""
+    tried: list[str] = []
     while True:
         try:
             replica, attempt, flight = await _open(svc, p, decision, tried, arrived)
         except _Passed as passed:
-            return passed.response()
+            status, body, content_type, headers = passed.answer()
+            return status, body, {**headers, "content-type": content_type.decode("latin-1")}
         try:
             if svc.settings.backend == "openai":
-                body = await attempt.response.read()
+                body = await attempt.response.read(svc.settings.idle_timeout_s)
+                content_type = attempt.response.headers.get("content-type", "application/json")
             else:
                 events = list(attempt.buffered) + [e async for e in attempt.rest()]
-                body = collect(events, chat=p.kind == "chat")
-        except ConnectionError as exc:
+                body = json.dumps(collect(events, chat=p.kind == "chat"), ensure_ascii=False,
+                                  separators=(",", ":")).encode()
+                content_type = "application/json"
+        except (ConnectionError, TimeoutError) as exc:
             attempt.close()
-            flight.end(ok=False, why=str(exc))
+            flight.end(ok=False, why=str(exc) or type(exc).__name__)
             tried.append(replica.url)
             continue
         except BaseException:
@@ -212,11 +245,9 @@ async def _collect(svc: RouterService, p: Prepared, decision, tried: list[str], 
             raise
         attempt.close()
         flight.end(ok=True, usage=attempt.usage)
-        svc.metrics.decisions.labels(replica.url, reason).inc()
+        svc.metrics.decisions.labels(replica.url, _reason(decision)).inc()
         svc.metrics.requests.labels(replica.url, "ok").inc()
-        if isinstance(body, bytes):
-            return Response(body, headers=_headers(replica.url, p), media_type="application/json")
-        return JSONResponse(body, headers=_headers(replica.url, p))
+        return 200, body, {**_headers(replica.url, p), "content-type": content_type}
 
 
 async def _relay(svc: RouterService, attempt: Attempt, flight: Flight, p: Prepared):
@@ -225,9 +256,9 @@ async def _relay(svc: RouterService, attempt: Attempt, flight: Flight, p: Prepar
     drop_usage = svc.settings.backend == "ours" and not p.include_usage
     outcome = "ok"
     try:
-        for event in attempt.buffered:
-            if not (drop_usage and _usage_only(event)):
-                yield event
+        first = b"".join(e for e in attempt.buffered if not (drop_usage and _usage_only(e)))
+        if first:
+            yield first
         async with asyncio.timeout_at(flight.started + svc.settings.total_timeout_s):
             async for event in attempt.rest():
                 if not (drop_usage and _usage_only(event)):
@@ -258,11 +289,9 @@ def _headers(replica: str, p: Prepared) -> dict[str, str]:
     return {"x-replica": replica, "x-request-id": p.request_id}
 
 
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Passed(Exception):
@@ -271,10 +300,11 @@ class _Passed(Exception):
     def __init__(self, exc: UpstreamRefused) -> None:
         self.exc = exc
 
-    def response(self) -> Response:
-        headers = {k: v for k, v in self.exc.headers.items()
-                   if k.lower() in ("content-type", "x-should-retry", "retry-after",
-                                    "x-request-id")}
+    def answer(self) -> tuple[int, bytes, bytes, dict[str, str]]:
+        """(status, body, content type, headers) for ``send_bytes``."""
+        headers = {k.lower(): v for k, v in self.exc.headers.items()
+                   if k.lower() in ("x-should-retry", "retry-after", "x-request-id")}
         headers["x-should-retry"] = "false"
         headers["x-replica"] = self.exc.replica
-        return Response(self.exc.body, status_code=self.exc.status, headers=headers)
+        content_type = self.exc.headers.get("content-type", "application/json")
+        return self.exc.status, self.exc.body, content_type.encode("latin-1"), headers

@@ -15,7 +15,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-import aiohttp
+from .http1 import Response
 
 DONE = b"data: [DONE]\n\n"
 
@@ -65,9 +65,10 @@ def is_content(payload: bytes) -> bool:
 class Attempt:
     """A request in flight to one replica."""
 
-    def __init__(self, response: aiohttp.ClientResponse, started: float) -> None:
+    def __init__(self, response: Response, started: float, idle_timeout: float) -> None:
         self.response = response
         self.started = started
+        self.idle_timeout = idle_timeout
         self.buffered: list[bytes] = []  # events read before the commit point
         self.first_content_at: float | None = None
         self.usage: dict | None = None
@@ -77,39 +78,40 @@ class Attempt:
         """Read events until the first content event (or the end); Retryable on failure."""
         try:
             async with asyncio.timeout(timeout):
-                async for event in self._events():
+                while (event := await self._next_event()) is not None:
                     self.buffered.append(event)
                     if event == DONE or is_content(event[6:]):
                         self.first_content_at = time.monotonic()
                         return
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, ConnectionError) as exc:
             raise Retryable(f"replica failed before its first token: {_describe(exc)}") from exc
         raise Retryable("replica closed the stream before its first token")
 
     async def rest(self) -> AsyncIterator[bytes]:
         """Events after the buffered ones. Raises ConnectionError if the stream breaks."""
-        if self.finished:
-            return
         try:
-            async for event in self._events():
+            while (event := await self._next_event()) is not None:
                 yield event
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except TimeoutError as exc:
             raise ConnectionError(_describe(exc)) from exc
         if not self.finished:
             raise ConnectionError("replica closed the stream early")
 
-    async def _events(self) -> AsyncIterator[bytes]:
-        async for line in self.response.content:
+    async def _next_event(self) -> bytes | None:
+        """The next ``data:`` event (with its blank line), DONE, or None after DONE or at
+        the end of the body."""
+        if self.finished:
+            return None
+        while (line := await self.response.readline(self.idle_timeout)) is not None:
             if not line.startswith(b"data: "):
                 continue
-            line = line.rstrip(b"\r\n")
             if line == b"data: [DONE]":
                 self.finished = True
-                yield DONE
-                return
+                return DONE
             if b"\"usage\"" in line:
                 self._note_usage(line[6:])
-            yield line + b"\n\n"
+            return line + b"\n\n"
+        return None
 
     def _note_usage(self, payload: bytes) -> None:
         try:
@@ -120,7 +122,7 @@ class Attempt:
             self.usage = usage
 
     def close(self) -> None:
-        """A finished response's connection goes back to the pool; an unfinished one is
+        """A complete answer's connection is already back in the pool; an unfinished one is
         closed (which is also how the replica learns that the client went away)."""
         if self.finished:
             self.response.release()
@@ -156,6 +158,6 @@ def collect(events: list[bytes], chat: bool) -> dict:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}".rstrip(": ")

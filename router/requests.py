@@ -40,6 +40,7 @@ class Prepared:
     salt: str | None
     route: RouteRequest
     body: bytes  # what goes upstream
+    tokens_b64: str = ""  # token_ids_b64(tokens), once for the body and the probes
 
 
 def json_object(raw: bytes) -> dict:
@@ -83,15 +84,17 @@ class RequestBuilder:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.tokenizer = ByteTokenizer()
+        self._session_header = settings.session_header.lower()
 
-    def prepare(self, kind: str, raw: bytes, headers) -> Prepared:
+    def prepare(self, kind: str, raw: bytes, headers: dict[str, str]) -> Prepared:
+        """``headers``: the client's, names in lower case."""
         request_id = headers.get("x-request-id") or uuid.uuid4().hex
         if self.settings.backend == "openai":
             return self._pass_through(kind, raw, headers, request_id)
         data, req = parse_body(raw, kind)
         api_key = _bearer(headers.get("authorization"))
         salt = tenant_salt(self.settings.tenant_secret, api_key, req.cache_salt)
-        session = headers.get(self.settings.session_header) or req.user
+        session = headers.get(self._session_header) or req.user
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tokens = self._tokens(req, kind)
         limit = self.settings.max_prompt_tokens
@@ -101,8 +104,9 @@ class RequestBuilder:
         tpb = self.settings.tokens_per_block
         route = RouteRequest(request_id, len(tokens), block_keys(tokens, tpb, salt or ""), tpb,
                              session)
+        b64 = token_ids_b64(tokens)
         return Prepared(kind, _path(kind), request_id, req.model, req.stream, include_usage,
-                        tokens, salt, route, self._forward_body(data, kind, tokens, salt))
+                        tokens, salt, route, self._forward_body(data, kind, b64, salt), b64)
 
     def _pass_through(self, kind: str, raw: bytes, headers, request_id: str) -> Prepared:
         """Other back ends get the client's body unchanged; the router only reads enough of
@@ -112,7 +116,7 @@ class RequestBuilder:
         if not data.get(field):
             raise APIError(400, f"{field} is required and must not be empty", param=field)
         text = json.dumps(data[field], separators=(",", ":"))
-        session = headers.get(self.settings.session_header) or data.get("user")
+        session = headers.get(self._session_header) or data.get("user")
         route = RouteRequest(request_id, max(1, len(text) // 4),
                              text_keys(text, TEXT_CHUNK_CHARS), TEXT_CHUNK_CHARS // 4,
                              session if isinstance(session, str) else None)
@@ -144,11 +148,11 @@ class RequestBuilder:
         return list(ids)
 
     @staticmethod
-    def _forward_body(data: dict, kind: str, tokens: list[int], salt: str | None) -> bytes:
+    def _forward_body(data: dict, kind: str, tokens_b64: str, salt: str | None) -> bytes:
         body = dict(data)
         if kind == "completion":
             body.pop("prompt", None)
-        body["prompt_token_ids_b64"] = token_ids_b64(tokens)
+        body["prompt_token_ids_b64"] = tokens_b64
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         if salt:

@@ -15,8 +15,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import aiohttp
-
 from replicas.errors import APIError
 from replicas.tokenizer import ByteTokenizer
 
@@ -25,7 +23,7 @@ from .proxy import Attempt, Retryable, UpstreamRefused
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
 from .settings import RouterSettings
-from .upstream import ProbeResult, Upstream, token_ids_b64
+from .upstream import ProbeResult, Upstream
 
 log = logging.getLogger("router")
 decision_log = logging.getLogger("router.decisions")
@@ -186,7 +184,7 @@ class RouterService:
         try:
             status, body = await self.upstream.get_json(replica.url + "/v1/models",
                                                         self.settings.health_timeout_s)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, OSError, ValueError) as exc:
             return f"GET /v1/models failed: {type(exc).__name__}: {exc}", False
         cards = (body or {}).get("data") or []
         if status != 200 or not cards:
@@ -236,8 +234,7 @@ class RouterService:
             if len(targets) < len(urls):  # bounded fan-out: choose among the probed
                 chosen = set(targets)
                 eligible = [r for r in eligible if r.url in chosen]
-            body = json.dumps({"token_ids_b64": token_ids_b64(p.tokens),
-                               "cache_salt": p.salt}).encode()
+            body = json.dumps({"token_ids_b64": p.tokens_b64, "cache_salt": p.salt}).encode()
             probes = await self.upstream.probe_all(targets, body)
         probe_ms = (time.perf_counter() - t0) * 1e3
         candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
@@ -314,18 +311,23 @@ class RouterService:
             headers["authorization"] = f"Bearer {self.settings.backend_api_key}"
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                response = await self.upstream.post(replica.url + p.path, p.body, headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                response = await self.upstream.post(replica.url, p.path, p.body, headers)
+        except (TimeoutError, OSError) as exc:
             raise Retryable(f"could not reach the replica: {type(exc).__name__}: {exc}") from exc
         flight.queued()
         if response.status != 200:
-            body = await response.read()
-            response.release()
+            try:
+                body = await response.read(self.settings.idle_timeout_s)
+            except (TimeoutError, OSError) as exc:
+                raise Retryable(f"replica answered {response.status} and then failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                response.close()
             if response.status == 429 or response.status >= 500:
                 raise Retryable(f"replica answered {response.status}", response.status,
                                 response.headers.get("retry-after"))
             raise UpstreamRefused(response.status, body, dict(response.headers))
-        attempt = Attempt(response, flight.started)
+        attempt = Attempt(response, flight.started, self.settings.idle_timeout_s)
         if p.stream or self.settings.backend == "ours":
             try:
                 await attempt.read_to_commit(self.settings.first_byte_timeout_s)
