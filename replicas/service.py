@@ -16,6 +16,8 @@ import uuid
 from array import array
 from collections.abc import AsyncIterator
 
+import numpy as np
+
 from kvcache import KVCacheManager, ReuseScope
 
 from .engines import make_engine
@@ -209,7 +211,7 @@ class ReplicaService:
         """Like ``_checked_ids`` for an ``array('I')`` (unsigned: only the top can be bad)."""
         if not ids:
             raise APIError(400, f"{param} must not be empty", param=param)
-        top = max(ids)
+        top = int(np.frombuffer(ids, dtype=np.uint32).max())
         if top >= self.tokenizer.vocab_size:
             raise APIError(400, f"{param} has token id {top}, outside the vocabulary "
                            f"[0, {self.tokenizer.vocab_size})", param=param,
@@ -234,10 +236,18 @@ def _scope(cache_salt: str | None) -> ReuseScope:
     return ReuseScope(salt=cache_salt) if cache_salt else ReuseScope()
 
 
+if sys.version_info >= (3, 11):
+    def _strict_b64decode(data: str) -> bytes:
+        return binascii.a2b_base64(data, strict_mode=True)
+else:  # no strict mode: the regex check of b64decode(validate=True), ~5x slower
+    def _strict_b64decode(data: str) -> bytes:
+        return base64.b64decode(data, validate=True)
+
+
 def _decode_b64(data: str, param: str) -> array:
     """Base64 of little-endian uint32 token ids -> ``array('I')``."""
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = _strict_b64decode(data)
     except (binascii.Error, ValueError):
         raise APIError(400, f"{param} is not valid base64", param=param) from None
     if len(raw) % 4:

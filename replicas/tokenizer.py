@@ -14,11 +14,26 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
 SPECIAL_TOKENS = {"<|bos|>": BOS, "<|eos|>": EOS, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
 VOCAB_SIZE = 260
 TEMPLATE_VERSION = "chatml-bytes-1"
 ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+_LE32_IM_START = np.array([IM_START], dtype="<u4")
+_LE32_IM_END_NL = np.array([IM_END, ord("\n")], dtype="<u4")
+_LE32_GENERATION = np.array([IM_START, *b"assistant\n"], dtype="<u4")
+
+
+def _le32(prefix: list[int], data: bytes) -> bytes:
+    """``prefix`` then the bytes of ``data``, one token each, as little-endian uint32."""
+    out = np.empty(len(prefix) + len(data), dtype="<u4")
+    out[:len(prefix)] = prefix
+    out[len(prefix):] = np.frombuffer(data, dtype=np.uint8)
+    return out.tobytes()
 
 
 @dataclass(frozen=True)
@@ -39,6 +54,11 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [BOS, *ids] if add_bos else ids
 
+    def encode_le32(self, text: str, add_bos: bool = True) -> bytes:
+        """``encode`` as little-endian uint32 bytes, the wire form of token ids (what the
+        router sends), built without a Python int per token."""
+        return _le32([BOS] if add_bos else [], text.encode("utf-8"))
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are dropped, invalid UTF-8 becomes U+FFFD."""
         return bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
@@ -46,18 +66,22 @@ class ByteTokenizer:
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
                     ) -> list[int]:
         """ChatML-style: ``<|im_start|>role\\ncontent<|im_end|>\\n`` per message."""
-        ids = [BOS]
+        return np.frombuffer(self.render_chat_le32(messages, add_generation_prompt),
+                             dtype="<u4").tolist()
+
+    def render_chat_le32(self, messages: Sequence[ChatMessage],
+                         add_generation_prompt: bool = True) -> bytes:
+        """``render_chat`` as little-endian uint32 bytes (see ``encode_le32``)."""
+        parts = [np.array([BOS], dtype="<u4")]
         for m in messages:
             if m.role not in ROLES:
                 raise ValueError(f"unknown chat role {m.role!r}; use one of {', '.join(ROLES)}")
-            ids.append(IM_START)
-            ids.extend(f"{m.role}\n{m.content}".encode("utf-8"))
-            ids.append(IM_END)
-            ids.append(ord("\n"))
+            parts.append(_LE32_IM_START)
+            parts.append(np.frombuffer(f"{m.role}\n{m.content}".encode("utf-8"), dtype=np.uint8))
+            parts.append(_LE32_IM_END_NL)
         if add_generation_prompt:
-            ids.append(IM_START)
-            ids.extend(b"assistant\n")
-        return ids
+            parts.append(_LE32_GENERATION)
+        return np.concatenate(parts, dtype="<u4").tobytes()
 
     @property
     def stop_token_ids(self) -> frozenset[int]:

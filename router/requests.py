@@ -8,10 +8,13 @@ the router's to set, never the client's.
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import hmac
 import json
+import sys
 import uuid
+from array import array
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -20,9 +23,8 @@ from replicas.errors import APIError
 from replicas.schemas import ChatCompletionRequest, CompletionRequest
 from replicas.tokenizer import ByteTokenizer, ChatMessage
 
-from .policies import RouteRequest, block_keys, text_keys
+from .policies import RouteRequest, chain_keys, text_keys
 from .settings import RouterSettings
-from .upstream import token_ids_b64
 
 INTERNAL_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
 TEXT_CHUNK_CHARS = 64  # approx_prefix unit for back ends the router cannot tokenize for
@@ -36,11 +38,10 @@ class Prepared:
     model: str | None
     stream: bool
     include_usage: bool
-    tokens: list[int] | None
     salt: str | None
     route: RouteRequest
     body: bytes  # what goes upstream
-    tokens_b64: str = ""  # token_ids_b64(tokens), once for the body and the probes
+    probe_body: bytes = b""  # the /probe_reuse body (our back end)
 
 
 def json_object(raw: bytes) -> dict:
@@ -96,17 +97,21 @@ class RequestBuilder:
         salt = tenant_salt(self.settings.tenant_secret, api_key, req.cache_salt)
         session = headers.get(self._session_header) or req.user
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        tokens = self._tokens(req, kind)
+        ids = self._token_bytes(req, kind)  # little-endian uint32 token ids
+        num_tokens = len(ids) // 4
         limit = self.settings.max_prompt_tokens
-        if limit is not None and len(tokens) > limit:
-            raise APIError(400, f"prompt has {len(tokens)} tokens; this router accepts at "
+        if limit is not None and num_tokens > limit:
+            raise APIError(400, f"prompt has {num_tokens} tokens; this router accepts at "
                            f"most {limit}", param="prompt", code="context_length_exceeded")
         tpb = self.settings.tokens_per_block
-        route = RouteRequest(request_id, len(tokens), block_keys(tokens, tpb, salt or ""), tpb,
+        route = RouteRequest(request_id, num_tokens, chain_keys(ids, tpb * 4, salt or ""), tpb,
                              session)
-        b64 = token_ids_b64(tokens)
+        b64 = binascii.b2a_base64(ids, newline=False)
+        salt_json = json.dumps(salt).encode()
+        # base64 needs no JSON escaping: the large field is spliced in, not serialised
+        probe = b'{"token_ids_b64":"' + b64 + b'","cache_salt":' + salt_json + b"}"
         return Prepared(kind, _path(kind), request_id, req.model, req.stream, include_usage,
-                        tokens, salt, route, self._forward_body(data, kind, b64, salt), b64)
+                        salt, route, self._forward_body(data, kind, b64, salt), probe)
 
     def _pass_through(self, kind: str, raw: bytes, headers, request_id: str) -> Prepared:
         """Other back ends get the client's body unchanged; the router only reads enough of
@@ -124,42 +129,46 @@ class RequestBuilder:
         include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
         model = data.get("model") if isinstance(data.get("model"), str) else None
         return Prepared(kind, _path(kind), request_id, model, stream, include_usage, None,
-                        None, route, raw)
+                        route, raw)
 
-    def _tokens(self, req, kind: str) -> list[int]:
+    def _token_bytes(self, req, kind: str) -> bytes:
+        """The prompt's token ids as little-endian uint32 bytes (the wire form)."""
         if kind == "chat":
             try:
-                return self.tokenizer.render_chat(
+                return self.tokenizer.render_chat_le32(
                     [ChatMessage(m.role, m.text()) for m in req.messages])
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         p = req.prompt
         if isinstance(p, str):
-            return self.tokenizer.encode(p)
+            return self.tokenizer.encode_le32(p)
         first = p[0]
         if isinstance(first, str):
-            return self.tokenizer.encode(first)
+            return self.tokenizer.encode_le32(first)
         ids = first if isinstance(first, list) else p
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt has token id {bad}, outside the vocabulary "
                            f"[0, {vocab})", param="prompt", code="invalid_token_id")
-        return list(ids)
+        data = array("I", ids)
+        if sys.byteorder != "little":
+            data.byteswap()
+        return data.tobytes()
 
     @staticmethod
-    def _forward_body(data: dict, kind: str, tokens_b64: str, salt: str | None) -> bytes:
+    def _forward_body(data: dict, kind: str, tokens_b64: bytes, salt: str | None) -> bytes:
         body = dict(data)
         if kind == "completion":
             body.pop("prompt", None)
-        body["prompt_token_ids_b64"] = tokens_b64
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         if salt:
             body["cache_salt"] = salt
         else:
             body.pop("cache_salt", None)
-        return json.dumps(body, separators=(",", ":")).encode()
+        head = json.dumps(body, separators=(",", ":")).encode()  # never empty: "stream" is set
+        return head[:-1] + b',"prompt_token_ids_b64":"' + tokens_b64 + b'"}'
 
 
 def _path(kind: str) -> str:

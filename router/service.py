@@ -234,8 +234,7 @@ class RouterService:
             if len(targets) < len(urls):  # bounded fan-out: choose among the probed
                 chosen = set(targets)
                 eligible = [r for r in eligible if r.url in chosen]
-            body = json.dumps({"token_ids_b64": p.tokens_b64, "cache_salt": p.salt}).encode()
-            probes = await self.upstream.probe_all(targets, body)
+            probes = await self.upstream.probe_all(targets, p.probe_body)
         probe_ms = (time.perf_counter() - t0) * 1e3
         candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
         decision = self.policy.choose(p.route, candidates)

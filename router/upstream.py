@@ -10,11 +10,8 @@ closed, so a late probe never holds the request.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import sys
 import time
-from array import array
 from dataclasses import dataclass
 
 from .http1 import Client, Response
@@ -31,14 +28,6 @@ class ProbeResult:
 
 class ProbeFailed(Exception):
     pass
-
-
-def token_ids_b64(tokens: list[int]) -> str:
-    """Little-endian uint32 token ids, base64: the compact probe body."""
-    data = array("I", tokens)
-    if sys.byteorder != "little":
-        data.byteswap()
-    return base64.b64encode(data.tobytes()).decode("ascii")
 
 
 class Upstream:

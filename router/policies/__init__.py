@@ -6,7 +6,7 @@ import random
 
 from .approx import ApproxPrefix
 from .base import Candidate, Decision, LoadInfo, Policy, RouteRequest
-from .keys import block_keys, text_keys
+from .keys import block_keys, chain_keys, text_keys
 from .prefix import PrefixAware
 from .session import Session
 from .simple import LeastLoaded, PowerOfTwo, Random, RoundRobin
@@ -17,7 +17,8 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 __all__ = ["POLICIES", "ApproxPrefix", "Candidate", "Decision", "LoadInfo", "Policy",
-           "PrefixAware", "RouteRequest", "block_keys", "make_policy", "text_keys"]
+           "PrefixAware", "RouteRequest", "block_keys", "chain_keys", "make_policy",
+           "text_keys"]
 
 
 def make_policy(name: str, seed: int | None = None, **options) -> Policy:

@@ -9,11 +9,14 @@ back ends the router cannot tokenize for, in chunks of characters.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 
 
-def _chain(scope: str, data: bytes, step: int) -> tuple[int, ...]:
+def chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, ...]:
+    """One key per full ``step`` bytes of ``data`` (``block_keys`` of little-endian uint32
+    token ids is ``chain_keys(ids, 4 * tokens_per_block, scope)``)."""
     keys = []
     h = hash(scope)
     for start in range(0, len(data) - step + 1, step):
@@ -24,12 +27,15 @@ def _chain(scope: str, data: bytes, step: int) -> tuple[int, ...]:
 
 def block_keys(tokens: Sequence[int], tokens_per_block: int, scope: str = "") -> tuple[int, ...]:
     """One key per full block of ``tokens``."""
-    return _chain(scope, array("I", tokens).tobytes(), tokens_per_block * 4)
+    data = array("I", tokens)
+    if sys.byteorder != "little":
+        data.byteswap()
+    return chain_keys(data.tobytes(), tokens_per_block * 4, scope)
 
 
 def text_keys(text: str, chunk_chars: int = 64, scope: str = "") -> tuple[int, ...]:
     """One key per full chunk of ``chunk_chars`` characters of ``text``."""
-    return _chain(scope, text.encode("utf-32-le"), chunk_chars * 4)
+    return chain_keys(text.encode("utf-32-le"), chunk_chars * 4, scope)
 
 
 def shared_units(keys: tuple[int, ...], seen) -> int:
