@@ -185,7 +185,7 @@ async def _stream(svc: RouterService, p: Prepared, decision, arrived: float, sen
         replica, attempt, flight = await _open(svc, p, decision, [], arrived)
     except _Passed as passed:
         return await send_bytes(send, *passed.answer())
-    svc.metrics.decisions.labels(replica.url, _reason(decision)).inc()
+    svc.metrics.decided(replica.url, _reason(decision))
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"text/event-stream; charset=utf-8"),
         (b"x-replica", replica.url.encode("latin-1")),
@@ -210,7 +210,7 @@ async def _open(svc: RouterService, p: Prepared, decision, tried: list[str], arr
         raise _Passed(exc) from None
     svc.metrics.overhead.observe(flight.started - arrived)
     if attempt.first_content_at is not None:
-        svc.metrics.ttft.labels(replica.url).observe(attempt.first_content_at - flight.started)
+        svc.metrics.first_token(replica.url, attempt.first_content_at - flight.started)
     return replica, attempt, flight
 
 
@@ -245,8 +245,8 @@ async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
             raise
         attempt.close()
         flight.end(ok=True, usage=attempt.usage)
-        svc.metrics.decisions.labels(replica.url, _reason(decision)).inc()
-        svc.metrics.requests.labels(replica.url, "ok").inc()
+        svc.metrics.decided(replica.url, _reason(decision))
+        svc.metrics.outcome(replica.url, "ok")
         return 200, body, {**_headers(replica.url, p), "content-type": content_type}
 
 
@@ -278,7 +278,7 @@ async def _relay(svc: RouterService, attempt: Attempt, flight: Flight, p: Prepar
     finally:
         attempt.close()
         flight.end(ok=True)  # the client left: not the replica's fault
-        svc.metrics.requests.labels(flight.replica.url, outcome).inc()
+        svc.metrics.outcome(flight.replica.url, outcome)
 
 
 def _usage_only(event: bytes) -> bool:

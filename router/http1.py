@@ -26,6 +26,7 @@ answer that is not HTTP/1.x; timeouts are the caller's (``asyncio.timeout``).
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -36,6 +37,9 @@ MAX_CHUNK_LINE = 1024
 
 # body framing
 _LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
+# the header fields that frame the body, read from the lower-cased header lines
+_FRAMING_FIELDS = re.compile(r"^(content-length|transfer-encoding|connection)[ \t]*:[ \t]*"
+                             r"(.*?)[ \t]*\r?$", re.M)
 # chunked-body parser states
 _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
@@ -52,14 +56,15 @@ class Response:
     """One answer, read as it arrives. ``status`` and ``headers`` (lower-case names) are set
     once ``Client.request`` returns; the body is read with ``chunk``, ``read`` or ``lines``."""
 
-    __slots__ = ("status", "headers", "complete", "_conn", "_method", "_head", "_framing",
+    __slots__ = ("status", "_fields", "_headers", "complete", "_conn", "_method", "_head", "_framing",
                  "_left", "_chunk_state", "_raw", "_pieces", "_buffered", "_error",
                  "_head_waiter", "_body_waiter", "_done_waiter", "_paused", "got_bytes",
                  "_keep_alive", "done_at", "_lines", "_line_rest")
 
     def __init__(self, conn: _Connection, method: str) -> None:
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self._fields = ""  # the header lines, unparsed
+        self._headers: dict[str, str] | None = None
         self.complete = False
         self.got_bytes = False
         self.done_at = 0.0  # time.perf_counter() when the answer was complete
@@ -209,37 +214,50 @@ class Response:
             self._push(data)
 
     def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        status = int(parts[1])
+        text = head.decode("latin-1")
+        status_line, _, fields = text.partition("\r\n")
+        version, _, rest = status_line.partition(" ")
+        code = rest[:3]
+        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit() or \
+                rest[3:4] not in ("", " "):
+            raise ValueError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
+        status = int(code)
         if 100 <= status < 200 and status != 101:
             return  # interim: stay in the head
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ValueError(f"malformed header line: {line[:80]!r}")
-            key = name.strip().lower().decode("latin-1")
-            text = value.strip().decode("latin-1")
-            headers[key] = f"{headers[key]}, {text}" if key in headers else text
-        self.status, self.headers, self._head = status, headers, False
-        if parts[0] == b"HTTP/1.0":
-            self._keep_alive = "keep-alive" in headers.get("connection", "").lower()
-        elif "close" in headers.get("connection", "").lower():
+        # Only the framing fields are read now; the rest on demand (``headers``).
+        framing = {}
+        for name, value in _FRAMING_FIELDS.findall(fields.lower()):
+            framing[name] = f"{framing[name]}, {value}" if name in framing else value
+        self.status, self._fields, self._head = status, fields, False
+        connection = framing.get("connection", "")
+        if version == "HTTP/1.0":
+            self._keep_alive = "keep-alive" in connection
+        elif "close" in connection:
             self._keep_alive = False
         if self._method == "HEAD" or status in (204, 304):
             self._framing = _NONE
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif "chunked" in framing.get("transfer-encoding", ""):
             self._framing = _CHUNKED
-        elif "content-length" in headers:
-            length = headers["content-length"]
+        elif "content-length" in framing:
+            length = framing["content-length"]
             if not length.isdigit():
                 raise ValueError(f"bad Content-Length {length!r}")
             self._framing, self._left = _LENGTH, int(length)
         else:
             self._framing, self._keep_alive = _UNTIL_CLOSE, False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The answer's headers, names in lower case (repeated ones joined with ", ")."""
+        if self._headers is None:
+            headers: dict[str, str] = {}
+            for line in self._fields.split("\r\n"):
+                name, sep, value = line.partition(":")
+                if sep:
+                    key, value = name.strip().lower(), value.strip()
+                    headers[key] = f"{headers[key]}, {value}" if key in headers else value
+            self._headers = headers
+        return self._headers
 
     def _feed_chunked(self, data: bytes) -> None:
         pos, end = 0, len(data)

@@ -127,7 +127,7 @@ class Upstream:
 def _probe_result(status: int, raw: bytes, seconds: float) -> ProbeResult:
     if status != 200:
         raise ProbeFailed(f"HTTP {status}")
-    data = json.loads(raw)
+    data = json.loads(raw.decode())
     return ProbeResult(data["num_tokens"], data["num_tokens_before_hybrid_pruning"],
                        data.get("load") or {}, seconds)
 
