@@ -99,18 +99,21 @@ class ReplicaService:
         probe = self.manager.probe_reuse(tokens[:-1], scope=_scope(req.cache_salt))
         return {"num_tokens": probe.num_tokens,
                 "num_tokens_before_hybrid_pruning": probe.num_tokens_before_hybrid_pruning,
-                "num_prompt_tokens": len(tokens), "load": self.load().model_dump()}
+                "num_prompt_tokens": len(tokens), "load": self.load_dict()}
 
     def load(self) -> LoadSnapshot:
+        return LoadSnapshot(**self.load_dict())
+
+    def load_dict(self) -> dict:
+        """``load()`` as a plain dict (the probe hot path skips model validation)."""
         s = self.manager.stats()
-        return LoadSnapshot(running=len(self.scheduler.running),
-                            waiting=len(self.scheduler.waiting),
-                            queued_prefill_tokens=self.scheduler.queued_prefill_tokens(),
-                            free_pages=s.free_pages, total_pages=s.num_pages,
-                            cached_pages=s.cached_pages,
-                            prefill_tokens_per_s=self.engine.prefill_tokens_per_s,
-                            max_num_seqs=self.scheduler.config.max_num_seqs,
-                            draining=self.draining)
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
+                "free_pages": s.free_pages, "total_pages": s.num_pages,
+                "cached_pages": s.cached_pages,
+                "prefill_tokens_per_s": float(self.engine.prefill_tokens_per_s),
+                "max_num_seqs": self.scheduler.config.max_num_seqs,
+                "draining": self.draining}
 
     # -- generation --------------------------------------------------------------------
 

@@ -152,17 +152,31 @@ def _proxy(svc: RouterService, kind: str):
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         p = svc.builder.prepare(kind, body, headers)
         decision, _ = await svc.decide(p)
-        work = asyncio.ensure_future(_stream(svc, p, decision, arrived, send) if p.stream
-                                     else _answer(svc, p, decision, arrived, send))
-        watcher = asyncio.ensure_future(_disconnected(receive))
+        # The answer is produced in this task; a watcher cancels it if the client leaves
+        # (which closes the upstream request). An APIError raised before the answer started
+        # goes to HotRoutes.
+        this = asyncio.current_task()
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            this.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if p.stream:
+                await _stream(svc, p, decision, arrived, send)
+            else:
+                await _answer(svc, p, decision, arrived, send)
+        except asyncio.CancelledError:
+            if not left:
+                raise  # cancelled from elsewhere (the server stopping)
+            this.uncancel()
         finally:
             watcher.cancel()
-            if not work.done():  # the client went away: cancelling closes the upstream request
-                work.cancel()
-        if not work.cancelled():
-            work.result()  # an APIError raised before the answer started goes to HotRoutes
     return handler
 
 
@@ -230,9 +244,8 @@ async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
                 body = await attempt.response.read(svc.settings.idle_timeout_s)
                 content_type = attempt.response.headers.get("content-type", "application/json")
             else:
-                events = list(attempt.buffered) + [e async for e in attempt.rest()]
-                body = json.dumps(collect(events, chat=p.kind == "chat"), ensure_ascii=False,
-                                  separators=(",", ":")).encode()
+                body = json.dumps(collect(await attempt.chunks(), chat=p.kind == "chat"),
+                                  ensure_ascii=False, separators=(",", ":")).encode()
                 content_type = "application/json"
         except (ConnectionError, TimeoutError) as exc:
             attempt.close()
@@ -287,11 +300,6 @@ def _usage_only(event: bytes) -> bool:
 
 def _headers(replica: str, p: Prepared) -> dict[str, str]:
     return {"x-replica": replica, "x-request-id": p.request_id}
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Passed(Exception):

@@ -30,6 +30,7 @@ import re
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -58,8 +59,8 @@ class Response:
 
     __slots__ = ("status", "_fields", "_headers", "complete", "_conn", "_method", "_head", "_framing",
                  "_left", "_chunk_state", "_raw", "_pieces", "_buffered", "_error",
-                 "_head_waiter", "_body_waiter", "_done_waiter", "_paused", "got_bytes",
-                 "_keep_alive", "done_at", "_lines", "_line_rest")
+                 "_head_waiter", "_body_waiter", "_paused", "got_bytes",
+                 "_keep_alive", "done_at", "_lines", "_line_rest", "on_done")
 
     def __init__(self, conn: _Connection, method: str) -> None:
         self.status = 0
@@ -80,11 +81,12 @@ class Response:
         self._error: Exception | None = None
         self._head_waiter: asyncio.Future | None = None
         self._body_waiter: asyncio.Future | None = None
-        self._done_waiter: asyncio.Future | None = None
         self._paused = False
         self._keep_alive = True
         self._lines: deque[bytes] = deque()  # complete body lines not read yet (readline)
         self._line_rest = b""  # the start of an incomplete line
+        # called (with this response) once the answer is complete or failed
+        self.on_done: Callable[[Response], None] | None = None
 
     # -- the reader's side ---------------------------------------------------------------
 
@@ -135,16 +137,10 @@ class Response:
         line = lines.popleft()
         return line[:-1] if line.endswith(b"\r") else line
 
-    def finished(self) -> asyncio.Future:
-        """A future that resolves (to None) once the whole answer has arrived, or fails with
-        the error that ended it."""
-        if self._done_waiter is None:
-            self._done_waiter = asyncio.get_running_loop().create_future()
-            if self.complete:
-                self._done_waiter.set_result(None)
-            elif self._error is not None:
-                self._done_waiter.set_exception(self._error)
-        return self._done_waiter
+    @property
+    def error(self) -> Exception | None:
+        """What ended the answer early (None while it is fine)."""
+        return self._error
 
     def body_now(self) -> bytes:
         """The body of a complete answer, without waiting."""
@@ -350,13 +346,15 @@ class Response:
         self._fail(UpstreamClosed(f"connection closed {where}" + (f": {exc}" if exc else "")))
 
     def _wake(self, exc: Exception | None) -> None:
-        for waiter in (self._head_waiter, self._body_waiter, self._done_waiter):
+        for waiter in (self._head_waiter, self._body_waiter):
             if waiter is not None and not waiter.done():
                 if exc is None:
                     waiter.set_result(None)
                 else:
                     waiter.set_exception(exc)
         self._body_waiter = None
+        if self.on_done is not None:
+            self.on_done(self)
 
 
 class _Connection(asyncio.Protocol):

@@ -45,15 +45,19 @@ def error_event(message: str, type: str = "server_error", code: str | None = Non
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def is_content(payload: bytes) -> bool:
-    """Does an SSE data payload carry generated text, a finish reason, usage or an error?
-
-    Only events before the commit point are parsed; later ones are relayed as bytes."""
+def parse_chunk(payload: bytes) -> dict | None:
+    """An SSE data payload as a JSON object; None if it is not one."""
     try:
         chunk = json.loads(payload)
     except ValueError:
-        return True  # not ours to judge: let the client see it
-    if not isinstance(chunk, dict) or "error" in chunk or chunk.get("usage"):
+        return None
+    return chunk if isinstance(chunk, dict) else None
+
+
+def is_content(chunk: dict | None) -> bool:
+    """Does a chunk (``parse_chunk``) carry generated text, a finish reason, usage or an
+    error? Something unreadable counts too: not ours to judge, the client sees it."""
+    if chunk is None or "error" in chunk or chunk.get("usage"):
         return True
     for choice in chunk.get("choices") or ():
         if choice.get("finish_reason") or choice.get("text") or \
@@ -70,6 +74,7 @@ class Attempt:
         self.started = started
         self.idle_timeout = idle_timeout
         self.buffered: list[bytes] = []  # events read before the commit point
+        self._buffered_chunks: list[dict | None] = []  # the same, parsed (not DONE)
         self.first_content_at: float | None = None
         self.usage: dict | None = None
         self.finished = False  # [DONE] seen
@@ -80,7 +85,12 @@ class Attempt:
             async with asyncio.timeout(timeout):
                 while (event := await self._next_event()) is not None:
                     self.buffered.append(event)
-                    if event == DONE or is_content(event[6:]):
+                    if event is DONE:
+                        self.first_content_at = time.monotonic()
+                        return
+                    chunk = self._parse(event)
+                    self._buffered_chunks.append(chunk)
+                    if is_content(chunk):
                         self.first_content_at = time.monotonic()
                         return
         except (TimeoutError, ConnectionError) as exc:
@@ -88,14 +98,39 @@ class Attempt:
         raise Retryable("replica closed the stream before its first token")
 
     async def rest(self) -> AsyncIterator[bytes]:
-        """Events after the buffered ones. Raises ConnectionError if the stream breaks."""
+        """Events after the buffered ones, as bytes (usage noted). Raises ConnectionError
+        if the stream breaks."""
         try:
             while (event := await self._next_event()) is not None:
+                if b"\"usage\"" in event:
+                    self._parse(event)
                 yield event
         except TimeoutError as exc:
             raise ConnectionError(_describe(exc)) from exc
         if not self.finished:
             raise ConnectionError("replica closed the stream early")
+
+    async def chunks(self) -> list[dict]:
+        """Every chunk of the answer, parsed once (for ``collect``). Raises ConnectionError
+        if the stream breaks or carries something that is not a JSON object."""
+        chunks = list(self._buffered_chunks)
+        try:
+            while (event := await self._next_event()) is not None:
+                if event is not DONE:
+                    chunks.append(self._parse(event))
+        except TimeoutError as exc:
+            raise ConnectionError(_describe(exc)) from exc
+        if not self.finished:
+            raise ConnectionError("replica closed the stream early")
+        if None in chunks:
+            raise ConnectionError("replica sent an event that is not a JSON object")
+        return chunks
+
+    def _parse(self, event: bytes) -> dict | None:
+        chunk = parse_chunk(event[6:])
+        if chunk is not None and chunk.get("usage"):
+            self.usage = chunk["usage"]
+        return chunk
 
     async def _next_event(self) -> bytes | None:
         """The next ``data:`` event (with its blank line), DONE, or None after DONE or at
@@ -108,18 +143,8 @@ class Attempt:
             if line == b"data: [DONE]":
                 self.finished = True
                 return DONE
-            if b"\"usage\"" in line:
-                self._note_usage(line[6:])
             return line + b"\n\n"
         return None
-
-    def _note_usage(self, payload: bytes) -> None:
-        try:
-            usage = json.loads(payload).get("usage")
-        except ValueError:
-            return
-        if usage:
-            self.usage = usage
 
     def close(self) -> None:
         """A complete answer's connection is already back in the pool; an unfinished one is
@@ -130,13 +155,10 @@ class Attempt:
             self.response.close()
 
 
-def collect(events: list[bytes], chat: bool) -> dict:
-    """Fold a stream of chunks into one non-streaming response body."""
+def collect(chunks: list[dict], chat: bool) -> dict:
+    """Fold a stream's chunks (parsed) into one non-streaming response body."""
     text, finish, usage, head = [], None, None, None
-    for event in events:
-        if event == DONE:
-            continue
-        chunk = json.loads(event[6:])
+    for chunk in chunks:
         if "error" in chunk:
             raise ConnectionError(chunk["error"].get("message", "upstream error"))
         head = head or chunk
@@ -152,8 +174,8 @@ def collect(events: list[bytes], chat: bool) -> dict:
     choice = ({"index": 0, "message": {"role": "assistant", "content": content},
                "finish_reason": finish, "logprobs": None} if chat else
               {"index": 0, "text": content, "finish_reason": finish, "logprobs": None})
-    return {"id": head["id"], "object": "chat.completion" if chat else "text_completion",
-            "created": head["created"], "model": head["model"], "choices": [choice],
+    return {"id": head.get("id"), "object": "chat.completion" if chat else "text_completion",
+            "created": head.get("created"), "model": head.get("model"), "choices": [choice],
             "usage": usage}
 
 

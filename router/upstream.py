@@ -48,49 +48,68 @@ class Upstream:
 
     async def probe_all(self, urls: list[str], body: bytes) -> dict[str, ProbeResult | Exception]:
         """Probe ``urls`` concurrently; whatever has not answered by the deadline is
-        abandoned and reported as a TimeoutError."""
+        abandoned (its connection closed) and reported as a TimeoutError."""
         client, headers = self.client, self._probe_headers
+        loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        waits: dict[asyncio.Future, tuple[str, Response | None]] = {}
+        all_done = loop.create_future()
+        remaining = 0
+
+        def one_done(_) -> None:
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0 and not all_done.done():
+                all_done.set_result(None)
+
+        sent: list[tuple[str, Response]] = []  # on pooled connections: no task per probe
+        opening: list[tuple[str, asyncio.Task]] = []  # a connection to open first
         out: dict[str, ProbeResult | Exception] = {}
-        for url in urls:
-            try:
-                data = client.encode("POST", url, "/probe_reuse", body, headers)
-                response = client.start("POST", url, data)
-            except (ValueError, OSError) as exc:
-                out[url] = exc
-                continue
-            if response is not None:  # sent on a pooled connection
-                waits[response.finished()] = (url, response)
-            else:  # a connection to open first
-                waits[asyncio.ensure_future(
-                    client.fetch("POST", url, "/probe_reuse", body, headers))] = (url, None)
-        if waits:
-            done, pending = await asyncio.wait(waits, timeout=self.settings.probe_deadline_ms / 1e3)
-        else:
-            done, pending = set(), set()
-        for fut in pending:
-            url, response = waits[fut]
-            if response is not None:
-                response.close()
-            else:
-                fut.cancel()
-            out[url] = TimeoutError("probe deadline passed")
-        for fut in done:
-            url, response = waits[fut]
-            exc = fut.exception()
-            if exc is not None:
-                out[url] = exc
-                continue
-            if response is not None:
-                status, raw, at = response.status, response.body_now(), response.done_at
-            else:
-                (status, raw), at = fut.result(), time.perf_counter()
-            try:
-                out[url] = _probe_result(status, raw, at - t0)
-            except (ProbeFailed, ValueError, KeyError, TypeError) as exc:
-                out[url] = exc if isinstance(exc, ProbeFailed) else ProbeFailed(
-                    f"unreadable probe answer: {type(exc).__name__}: {exc}")
+        try:
+            for url in urls:
+                try:
+                    data = client.encode("POST", url, "/probe_reuse", body, headers)
+                    response = client.start("POST", url, data)
+                except (ValueError, OSError) as exc:
+                    out[url] = exc
+                    continue
+                remaining += 1
+                if response is not None:
+                    response.on_done = one_done
+                    sent.append((url, response))
+                else:
+                    task = loop.create_task(client.fetch("POST", url, "/probe_reuse", body,
+                                                         headers))
+                    task.add_done_callback(one_done)
+                    opening.append((url, task))
+            if remaining:
+                deadline = loop.call_later(self.settings.probe_deadline_ms / 1e3,
+                                           lambda: all_done.done() or all_done.set_result(None))
+                try:
+                    await all_done
+                finally:
+                    deadline.cancel()
+        finally:  # late probes (or all of them, if this request was cancelled) are abandoned
+            for url, response in sent:
+                response.on_done = None
+                if response.complete:
+                    out[url] = _probe_result(response.status, response.body_now(),
+                                             response.done_at - t0)
+                elif response.error is not None:
+                    out[url] = response.error
+                else:
+                    response.close()
+                    out[url] = TimeoutError("probe deadline passed")
+            for url, task in opening:
+                if not task.done():
+                    task.cancel()
+                    out[url] = TimeoutError("probe deadline passed")
+                elif task.cancelled():
+                    out[url] = TimeoutError("probe cancelled")
+                elif task.exception() is not None:
+                    out[url] = task.exception()
+                else:
+                    status, raw = task.result()
+                    out[url] = _probe_result(status, raw, time.perf_counter() - t0)
         return out
 
     # -- checks ------------------------------------------------------------------------
@@ -124,12 +143,16 @@ class Upstream:
         return await self.client.request("POST", url, path, body, headers)
 
 
-def _probe_result(status: int, raw: bytes, seconds: float) -> ProbeResult:
+def _probe_result(status: int, raw: bytes, seconds: float) -> ProbeResult | ProbeFailed:
+    """The probe's answer, or ProbeFailed saying why it is of no use."""
     if status != 200:
-        raise ProbeFailed(f"HTTP {status}")
-    data = json.loads(raw.decode())
-    return ProbeResult(data["num_tokens"], data["num_tokens_before_hybrid_pruning"],
-                       data.get("load") or {}, seconds)
+        return ProbeFailed(f"HTTP {status}")
+    try:
+        data = json.loads(raw.decode())
+        return ProbeResult(data["num_tokens"], data["num_tokens_before_hybrid_pruning"],
+                           data.get("load") or {}, seconds)
+    except (ValueError, KeyError, TypeError) as exc:
+        return ProbeFailed(f"unreadable probe answer: {type(exc).__name__}: {exc}")
 
 
 def _split(url: str) -> tuple[str, str]:
