@@ -471,14 +471,13 @@ class Client:
                headers: dict[str, str] | None = None) -> bytes:
         """The request's bytes: request line, headers, body."""
         _, host, prefix = self._target(base_url)
-        head = (f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host}\r\n"
-                f"Content-Length: {len(body)}\r\n")
+        head = f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host}\r\n"
         if headers:
             for name, value in headers.items():
                 if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                     raise ValueError(f"header {name!r} contains a line break")
                 head += f"{name}: {value}\r\n"
-        return (head + "\r\n").encode("latin-1") + body
+        return (head + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
 
     async def _head(self, response: Response) -> None:
         if not response._head:

@@ -39,7 +39,12 @@ class Routed:
     prompt_tokens: int
     decision: Decision
     probe_ms: float
-    probes: dict  # replica -> probe result dict or error text
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer within the deadline"
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
 class RetryBudget:
@@ -238,31 +243,35 @@ class RouterService:
         probe_ms = (time.perf_counter() - t0) * 1e3
         candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
         decision = self.policy.choose(p.route, candidates)
-        self._record(p, decision, probes, probe_ms)
+        self._record(p, decision, probe_ms)
         return decision, probes
 
     def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None) -> Candidate:
         reuse = before = None
+        note = ""
         if isinstance(probe, ProbeResult):
             reuse, before = probe.num_tokens, probe.num_tokens_before_hybrid_pruning
             replica.load, replica.load_at = LoadInfo.from_wire(probe.load), time.monotonic()
+        elif probe is not None:
+            note = f"probe failed: {_why(probe)}; reuse unknown"
         if self.metrics is not None and probe is not None:
             self.metrics.probe(replica.url, probe)
-        return Candidate(replica.url, reuse, before, replica.load, replica.in_flight,
-                         replica.unqueued_tokens)
+        candidate = Candidate(replica.url, reuse, before, replica.load, replica.in_flight,
+                              replica.unqueued_tokens)
+        candidate.note = note
+        return candidate
 
-    def _record(self, p: Prepared, decision: Decision, probes: dict, probe_ms: float) -> None:
-        probe_view = {url: (r.__dict__ if isinstance(r, ProbeResult) else repr(r))
-                      for url, r in probes.items()}
+    def _record(self, p: Prepared, decision: Decision, probe_ms: float) -> None:
         self.decisions.append(Routed(time.time(), p.request_id, p.model, p.route.num_tokens,
-                                     decision, probe_ms, probe_view))
+                                     decision, probe_ms))
         if decision_log.isEnabledFor(logging.INFO):
             decision_log.info(json.dumps({
                 "event": "route", "request_id": p.request_id, "model": p.model,
                 "prompt_tokens": p.route.num_tokens, "chosen": decision.chosen,
                 "reason": decision.reason, "probe_ms": round(probe_ms, 2),
                 "candidates": [{"replica": c.name, "reuse": c.reuse, "score": c.score,
-                                "in_flight": c.in_flight} for c in decision.candidates]}))
+                                "in_flight": c.in_flight, "note": c.note}
+                               for c in decision.candidates]}))
 
     # -- forwarding --------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from .http1 import Client, Response
 from .settings import RouterSettings
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ProbeResult:
     num_tokens: int
     num_tokens_before_hybrid_pruning: int
@@ -37,6 +37,7 @@ class Upstream:
         self._internal = ({"authorization": f"Bearer {settings.internal_token}"}
                           if settings.internal_token else {})
         self._probe_headers = {"content-type": "application/json", **self._internal}
+        self._probe_heads: dict[str, bytes] = {}  # replica -> probe request head (cached)
 
     async def start(self) -> None:
         pass
@@ -49,7 +50,8 @@ class Upstream:
     async def probe_all(self, urls: list[str], body: bytes) -> dict[str, ProbeResult | Exception]:
         """Probe ``urls`` concurrently; whatever has not answered by the deadline is
         abandoned (its connection closed) and reported as a TimeoutError."""
-        client, headers = self.client, self._probe_headers
+        client, heads = self.client, self._probe_heads
+        length = b"%d\r\n\r\n" % len(body)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         all_done = loop.create_future()
@@ -67,8 +69,12 @@ class Upstream:
         try:
             for url in urls:
                 try:
-                    data = client.encode("POST", url, "/probe_reuse", body, headers)
-                    response = client.start("POST", url, data)
+                    head = heads.get(url)
+                    if head is None:  # the request line and headers up to Content-Length
+                        head = heads[url] = client.encode(
+                            "POST", url, "/probe_reuse", b"", self._probe_headers
+                        ).removesuffix(b"Content-Length: 0\r\n\r\n")
+                    response = client.start("POST", url, head + length + body)
                 except (ValueError, OSError) as exc:
                     out[url] = exc
                     continue
@@ -78,7 +84,7 @@ class Upstream:
                     sent.append((url, response))
                 else:
                     task = loop.create_task(client.fetch("POST", url, "/probe_reuse", body,
-                                                         headers))
+                                                         self._probe_headers))
                     task.add_done_callback(one_done)
                     opening.append((url, task))
             if remaining:

@@ -28,7 +28,10 @@ class LoadInfo:
 
     @classmethod
     def from_wire(cls, load: dict) -> LoadInfo:
-        return cls(**{k: load[k] for k in cls.__dataclass_fields__ if k in load})
+        get = load.get
+        return cls(get("running", 0), get("waiting", 0), get("queued_prefill_tokens", 0),
+                   get("free_pages", 0), get("total_pages", 0),
+                   get("prefill_tokens_per_s", 0.0), get("cached_pages", 0))
 
 
 @dataclass(slots=True)
