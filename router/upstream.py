@@ -73,7 +73,7 @@ class Upstream:
                     if head is None:  # the request line and headers up to Content-Length
                         head = heads[url] = client.encode(
                             "POST", url, "/probe_reuse", b"", self._probe_headers
-                        ).removesuffix(b"Content-Length: 0\r\n\r\n")
+                        ).removesuffix(b"0\r\n\r\n")  # ends "Content-Length: "
                     response = client.start("POST", url, head + length + body)
                 except (ValueError, OSError) as exc:
                     out[url] = exc
