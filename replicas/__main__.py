@@ -10,6 +10,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from .app import create_app
+from .coalesce import CoalescingHttpToolsProtocol
 from .settings import ReplicaSettings, parse_args
 
 log = logging.getLogger("replicas")
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            http=CoalescingHttpToolsProtocol,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings, app.state.service)

@@ -8,6 +8,8 @@ import sys
 import uvicorn
 from pydantic import ValidationError
 
+from replicas.coalesce import CoalescingHttpToolsProtocol
+
 from .app import create_app
 from .settings import parse_args
 
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "to route to until one is added through the "
                                             "admin API")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False)
+                access_log=False, http=CoalescingHttpToolsProtocol)
     return 0
 
 
