@@ -107,7 +107,7 @@ async def send_bytes(send, status: int, body: bytes, content_type: bytes = JSON,
     """A whole response in two ASGI messages."""
     raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     if headers:
-        raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 

@@ -62,10 +62,13 @@ def test_bad_input(replica, path, body, status, param, fragment):
     assert httpx.get(replica.url + "/health").status_code == 200
 
 
-def test_body_over_the_limit_is_413(replica):
-    r = httpx.post(replica.url + "/v1/completions", json={"prompt": "x" * 70000})
+@pytest.mark.parametrize("path, field", [("/v1/completions", "prompt"),
+                                         ("/probe_reuse", "prompt")])
+def test_body_over_the_limit_is_413(replica, path, field):
+    r = httpx.post(replica.url + path, json={field: "x" * 70000})
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["x-should-retry"] == "false"
     assert httpx.get(replica.url + "/health").status_code == 200
 
 

@@ -39,3 +39,23 @@ def test_specials_do_not_decode_and_fingerprint_is_stable():
     assert tok.decode([BOS, 104, 105, EOS]) == "hi"
     assert tok.fingerprint == ByteTokenizer().fingerprint
     assert len(tok.fingerprint) == 16
+
+
+@given(st.text(), st.booleans())
+def test_wire_form_equals_token_ids(text, bos):
+    from array import array
+    assert array("I", tok.encode_le32(text, add_bos=bos)).tolist() == tok.encode(text, bos)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["system", "user", "tool"]), st.text()),
+                max_size=4), st.booleans())
+def test_chat_wire_form_is_the_template_token_by_token(turns, generation):
+    from array import array
+    messages = [ChatMessage(r, c) for r, c in turns]
+    expected = [BOS]
+    for m in messages:
+        expected += [IM_START, *f"{m.role}\n{m.content}".encode(), IM_END, ord("\n")]
+    if generation:
+        expected += [IM_START, *b"assistant\n"]
+    assert array("I", tok.render_chat_le32(messages, generation)).tolist() == expected
+    assert tok.render_chat(messages, generation) == expected

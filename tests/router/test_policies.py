@@ -4,9 +4,11 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given, strategies as st
 
+from replicas.tokenizer import ByteTokenizer
 from router.policies import (POLICIES, Candidate, LoadInfo, RouteRequest, block_keys,
-                             make_policy, text_keys)
+                             chain_keys, make_policy, text_keys)
 
 
 def req(rid="r", n=256, tokens=None, session=None, tpb=32):
@@ -180,3 +182,27 @@ def test_a_cold_replica_wins_new_prefixes_over_a_shared_preamble():
           Candidate("cold", 0, 0, LoadInfo(prefill_tokens_per_s=2e4)),
           Candidate("c", 26, 26, LoadInfo(prefill_tokens_per_s=2e4))]
     assert p.choose(req("new", n=1088), cs).chosen == "cold"
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200),
+       st.lists(st.integers(0, 2**32 - 1), max_size=200),
+       st.sampled_from([1, 3, 16, 32]), st.sampled_from(["", "tenant-a"]))
+def test_keys_agree_exactly_on_shared_block_prefixes(a, b, tpb, scope):
+    """Key j of two prompts is equal exactly when their first j + 1 blocks are, whatever the
+    block size (the vectorised hash reads 1-, 4- or 8-byte words)."""
+    b = a[: len(b)] + b[len(a):] if len(b) % 2 else b  # often share a prefix
+    ka, kb = block_keys(a, tpb, scope), block_keys(b, tpb, scope)
+    assert len(ka) == len(a) // tpb and len(kb) == len(b) // tpb
+    for j in range(min(len(ka), len(kb))):
+        assert (ka[j] == kb[j]) == (a[: (j + 1) * tpb] == b[: (j + 1) * tpb])
+    if ka:
+        assert block_keys(a, tpb, scope + "/other")[0] != ka[0]
+
+
+def test_chain_keys_of_wire_bytes_equal_block_keys():
+    tokens = list(range(1000))
+    wire = ByteTokenizer().encode_le32("x" * 999)
+    assert chain_keys(wire, 4 * 32) == block_keys([256] + [120] * 999, 32)
+    assert chain_keys(bytes(range(250)), 5) == chain_keys(bytes(range(250)), 5)
+    assert len(chain_keys(bytes(range(250)), 5)) == 50
+    assert block_keys(tokens, 32)[:3] == block_keys(tokens[:96], 32)

@@ -99,8 +99,10 @@ def test_stats_and_metrics_name_replicas_as_configured(live, client):
     assert stats["totals"]["requests"] >= 1
     d = stats["decisions"][0]
     assert d["chosen"] in urls and {c["replica"] for c in d["candidates"]} == set(urls)
-    assert all(c["reuse"] is not None for c in d["candidates"])
+    assert all(c["reuse"] is not None and c["note"] == "" for c in d["candidates"])
     metrics = httpx.get(live[0].url + "/metrics").text
+    assert "router_probe_failures_total{" not in metrics  # no probe has failed
+    assert "router_probe_latency_seconds_count{" in metrics
     for url in urls:
         assert f'router_replica_healthy{{replica="{url}"}} 1.0' in metrics
     assert "router_overhead_seconds_count" in metrics

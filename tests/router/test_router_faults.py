@@ -80,6 +80,8 @@ def test_slow_probes_never_hold_a_request_past_the_deadline():
     assert max(times) < 0.5  # a 2 s probe would show
     slow = [c for d in stats["decisions"] for c in d["candidates"] if c["replica"] == reps[1].url]
     assert slow and all(c["reuse"] is None for c in slow)  # "no reuse known", not waited for
+    assert {c["note"] for c in slow} == {
+        "probe failed: no answer within the deadline; reuse unknown"}
 
 
 def test_a_retry_never_duplicates_a_streamed_answer():

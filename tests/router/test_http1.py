@@ -1,0 +1,272 @@
+"""The router's HTTP/1.1 client against a real replica and against scripted servers."""
+
+import asyncio
+import binascii
+import json
+
+import pytest
+
+from replicas.tokenizer import ByteTokenizer
+from router.http1 import Client, ProtocolError, UpstreamClosed
+from tests.procs import Proc
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Scripted:
+    """A loopback server that answers the n-th request on a connection with ``answers[n]``
+    (bytes, sent in ``pieces`` writes with a pause between them), then does ``after``:
+    "keep" the connection open, "close" it, or "hang" without answering the next one."""
+
+    def __init__(self, answers, pieces=1, after="keep"):
+        self.answers, self.pieces, self.after = answers, pieces, after
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.eof_seen = asyncio.Event()
+
+    async def __aenter__(self):
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def _serve(self, reader, writer):
+        self.connections += 1
+        for answer in self.answers:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            self.requests.append(head + await reader.readexactly(length))
+            if answer is None:  # read the request, close without answering
+                writer.close()
+                return
+            size = max(1, -(-len(answer) // self.pieces))
+            for i in range(0, len(answer), size):
+                writer.write(answer[i:i + size])
+                await writer.drain()
+                if self.pieces > 1:
+                    await asyncio.sleep(0.005)
+        if self.after == "close":
+            writer.close()
+            return
+        if await reader.read(1) == b"":
+            self.eof_seen.set()
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def chunked(*parts: bytes, trailer: bytes = b"") -> bytes:
+    body = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts)
+    return (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\nx-a: 2\r\n\r\n"
+            + body + b"0\r\n" + trailer + b"\r\n")
+
+
+# -- against a real replica ------------------------------------------------------------
+
+def test_probes_and_a_stream_against_a_replica_reuse_one_connection():
+    ids = ByteTokenizer().encode_le32("x" * 999)
+    probe = json.dumps({"token_ids_b64": binascii.b2a_base64(ids, newline=False).decode()})
+    stream = json.dumps({"model": "sim-byte-lm", "prompt": "hello", "max_tokens": 3,
+                         "stream": True, "stream_options": {"include_usage": True}})
+    headers = {"content-type": "application/json"}
+    with Proc("replicas", "--engine", "sim", "--log-level", "warning") as rep:
+        async def go():
+            client = Client()
+            answers = [await client.fetch("POST", rep.url, "/probe_reuse", probe.encode(),
+                                          headers) for _ in range(10)]
+            r = await client.request("POST", rep.url, "/v1/completions", stream.encode(),
+                                     headers)
+            lines = []
+            while (line := await r.readline(5.0)) is not None:
+                lines.append(line)
+            r.close()
+            bad = await client.fetch("POST", rep.url, "/probe_reuse", b"{}", headers)
+            idle = client.idle_connections()
+            client.close()
+            return answers, r, lines, bad, idle
+        answers, r, lines, bad, idle = run(go())
+    assert {(s, json.loads(b)["num_prompt_tokens"]) for s, b in answers} == {(200, 1000)}
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in lines if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]" and len(events) >= 5
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3
+    assert bad[0] == 400 and json.loads(bad[1])["error"]["type"] == "invalid_request_error"
+    assert idle == 1  # one keep-alive connection served all twelve requests
+
+
+# -- framing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pieces", [1, 7])
+def test_chunked_body_with_extensions_trailers_and_repeated_headers(pieces):
+    answer = chunked(b"data: a\n\n", b"data: b\r\n\r\ndata: [DONE]\n\n", trailer=b"T: x\r\n")
+
+    async def go():
+        async with Scripted([answer, ok(b"second")], pieces=pieces) as srv:
+            client = Client()
+            r = await client.request("GET", srv.url, "/s")
+            lines = []
+            while (line := await r.readline(2.0)) is not None:
+                lines.append(line)
+            second = await client.fetch("GET", srv.url, "/t")
+            return r, lines, second, srv.connections
+    r, lines, second, connections = run(go())
+    assert r.headers["x-a"] == "1, 2"
+    assert lines == [b"data: a", b"", b"data: b", b"", b"data: [DONE]", b""]
+    assert second == (200, b"second") and connections == 1  # reused after the trailer
+
+
+def test_content_length_in_pieces_interim_answer_and_no_body_statuses():
+    interim = b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+    answers = [interim + ok(b"x" * 5000), b"HTTP/1.1 204 No Content\r\n\r\n", ok(b"")]
+
+    async def go():
+        async with Scripted(answers, pieces=9) as srv:
+            client = Client()
+            return [await client.fetch("GET", srv.url, "/") for _ in answers], srv.connections
+    got, connections = run(go())
+    assert got == [(200, b"x" * 5000), (204, b""), (200, b"")] and connections == 1
+
+
+def test_body_until_close_and_http10_are_not_pooled():
+    answers = [b"HTTP/1.1 200 OK\r\n\r\nall of it", b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok"]
+
+    async def go():
+        results = []
+        for answer in answers:
+            async with Scripted([answer], after="close") as srv:
+                client = Client()
+                results.append((await client.fetch("GET", srv.url, "/"),
+                                client.idle_connections()))
+        return results
+    assert run(go()) == [((200, b"all of it"), 0), ((200, b"ok"), 0)]
+
+
+def test_base_url_path_prefix_and_host_header():
+    async def go():
+        async with Scripted([ok(b"{}")]) as srv:
+            await Client().fetch("POST", srv.url + "/api/", "/v1/completions", b"{}",
+                                 {"x-request-id": "r1"})
+            return srv.requests[0]
+    request = run(go())
+    assert request.startswith(b"POST /api/v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nx-request-id: r1\r\nContent-Length: 2\r\n\r\n{}" in request
+
+
+def test_line_breaks_in_headers_are_refused():
+    with pytest.raises(ValueError, match="line break"):
+        Client().encode("POST", "http://127.0.0.1:1", "/", b"", {"x-id": "a\r\nx-evil: 1"})
+
+
+# -- failures --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer, error, message", [
+    (b"SSH-2.0-OpenSSH\r\n\r\n", ProtocolError, "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: x1\r\n\r\n", ProtocolError, "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", ProtocolError,
+     "bad chunk size"),
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", UpstreamClosed,
+     "after part of the answer"),
+])
+def test_bad_or_cut_answers_are_connection_errors(answer, error, message):
+    async def go():
+        async with Scripted([answer], after="close") as srv:
+            client = Client()
+            with pytest.raises(error, match=message):
+                await client.fetch("GET", srv.url, "/")
+            return client.idle_connections()
+    assert run(go()) == 0
+
+
+def test_extra_bytes_after_the_body_retire_the_connection():
+    async def go():
+        async with Scripted([ok(b"ab") + b"junk", ok(b"cd")]) as srv:
+            client = Client()
+            first = await client.fetch("GET", srv.url, "/")
+            return first, client.idle_connections()
+    assert run(go()) == ((200, b"ab"), 0)
+
+
+def test_a_pooled_connection_the_server_closed_is_retried_on_a_fresh_one():
+    # The server answers once, then closes the connection when the next request comes in,
+    # without answering (a keep-alive timeout racing the request): sent again, fresh.
+    async def go():
+        async with Scripted([ok(b"1"), None]) as srv:
+            client = Client()
+            first = await client.fetch("GET", srv.url, "/")
+            second = await client.fetch("GET", srv.url, "/")
+            return first, second, srv.connections, len(srv.requests)
+    assert run(go()) == ((200, b"1"), (200, b"1"), 2, 3)
+
+
+def test_a_fresh_connection_closed_without_an_answer_is_an_error():
+    async def go():
+        async with Scripted([None]) as srv:
+            with pytest.raises(UpstreamClosed, match="before any answer"):
+                await Client().fetch("GET", srv.url, "/")
+            return srv.connections
+    assert run(go()) == 1
+
+
+def test_an_abandoned_request_closes_its_connection():
+    async def go():
+        async with Scripted([], after="keep") as srv:
+            client = Client()
+            srv.answers = [b""]  # read the request, answer nothing
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await client.fetch("GET", srv.url, "/")
+            await asyncio.wait_for(srv.eof_seen.wait(), 2.0)
+            return client.idle_connections()
+    assert run(go()) == 0
+
+
+def test_a_slow_reader_pauses_the_socket_and_loses_nothing():
+    parts = [bytes([65 + i % 26]) * 65536 for i in range(64)]  # 4 MiB
+
+    async def go():
+        async with Scripted([chunked(*parts)]) as srv:
+            client = Client(max_buffer=256 * 1024)
+            r = await client.request("GET", srv.url, "/")
+            await asyncio.sleep(0.3)  # do not read: the server fills the buffer
+            paused = r._paused
+            got = bytearray()
+            while data := await r.chunk(2.0):
+                got += data
+            return paused, bytes(got), client.idle_connections()
+    paused, got, idle = run(go())
+    assert paused and got == b"".join(parts) and idle == 1
+
+
+def test_release_waits_for_the_end_of_a_finished_stream():
+    # The last event arrives before the terminating chunk: release() keeps the connection
+    # until the terminator comes, then pools it; a stream that never ends is closed.
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    event = b"e\r\ndata: [DONE]\n\n\r\n"
+
+    async def go():
+        async with Scripted([head + event]) as srv:
+            client = Client()
+            r = await client.request("GET", srv.url, "/")
+            assert await r.readline(1.0) == b"data: [DONE]"
+            r.release(grace_s=0.2)
+            await asyncio.sleep(0.4)
+            never_ended = (r.error is not None, client.idle_connections())
+        async with Scripted([head + event + b"0\r\n\r\n"], pieces=2) as srv:
+            client = Client()
+            r = await client.request("GET", srv.url, "/")
+            assert await r.readline(1.0) == b"data: [DONE]"
+            r.release(grace_s=1.0)
+            await asyncio.sleep(0.1)
+            ended = (r.complete, client.idle_connections())
+        return never_ended, ended
+    never_ended, ended = run(go())
+    assert never_ended == (True, 0)
+    assert ended == (True, 1)
