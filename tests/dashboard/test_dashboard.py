@@ -277,7 +277,7 @@ def test_replica_names_are_text_and_unreachable_replicas_show(live, browser):
     assert card["title"] == live.bogus
     assert card["fields"]["url"]["text"] == short(live.bogus)  # "<svg/onload=...>" as text
     assert card["fields"]["health"]["text"] == "unhealthy"
-    assert "Cannot connect" in card["fields"]["problem"]["text"]
+    assert "Connection refused" in card["fields"]["problem"]["text"]
     assert card["fields"]["pages_used"]["text"] == "–"  # no load known: not zero
     assert snap["xss"] is None and snap["injected"] == 0
     assert as_int(snap["totals"]["healthy"]) == 3 and as_int(snap["totals"]["replicas"]) == 4
