@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            http=CoalescingHttpToolsProtocol,
+                            http=CoalescingHttpToolsProtocol, proxy_headers=False,
+                            server_header=False,
                             log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings, app.state.service)

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "to route to until one is added through the "
                                             "admin API")
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, http=CoalescingHttpToolsProtocol)
+                access_log=False, http=CoalescingHttpToolsProtocol, proxy_headers=False,
+                server_header=False)
     return 0
 
 
