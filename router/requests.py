@@ -8,7 +8,6 @@ the router's to set, never the client's.
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import hmac
 import json
@@ -17,6 +16,7 @@ import uuid
 from array import array
 from dataclasses import dataclass
 
+import pybase64
 from pydantic import ValidationError
 
 from replicas.errors import APIError
@@ -106,7 +106,7 @@ class RequestBuilder:
         tpb = self.settings.tokens_per_block
         route = RouteRequest(request_id, num_tokens, chain_keys(ids, tpb * 4, salt or ""), tpb,
                              session)
-        b64 = binascii.b2a_base64(ids, newline=False)
+        b64 = pybase64.b64encode(ids)  # SIMD: ~12x binascii on 16 KiB
         salt_json = json.dumps(salt).encode()
         # base64 needs no JSON escaping: the large field is spliced in, not serialised
         probe = b'{"token_ids_b64":"' + b64 + b'","cache_salt":' + salt_json + b"}"
