@@ -33,7 +33,7 @@ and load spreads (power of k choices). With ``k = 1`` the best affinity replica 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from .base import Candidate, Decision, Policy, RouteRequest
 from .keys import shared_units
@@ -60,7 +60,8 @@ class PrefixAware(Policy):
         self.max_keys = max_keys_per_replica
         self._sent: dict[str, OrderedDict[int, None]] = {}  # for choosing probe targets
         self._track_sent = False
-        self._pending: dict[str, dict[int, int]] = {}  # replica -> key -> unfinished prefills
+        # replica -> key -> unfinished prefills (a Counter: update() counts in C)
+        self._pending: dict[str, Counter[int]] = {}
         self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
@@ -124,9 +125,10 @@ class PrefixAware(Policy):
         keys = request.keys
         if not keys:
             return
-        pending = self._pending.setdefault(replica, {})
-        for k in keys:
-            pending[k] = pending.get(k, 0) + 1
+        pending = self._pending.get(replica)
+        if pending is None:
+            pending = self._pending[replica] = Counter()
+        pending.update(keys)
         self._by_request[request.request_id] = (replica, keys)
         if not self._track_sent:
             return
