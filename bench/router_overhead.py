@@ -24,6 +24,12 @@ goes: the routed and the direct request do the same work on the replica.
 3. Routed requests/s through the router at K = 8, closed loop with 16 concurrent clients
    for 15 s (the load generator, the router and the 8 replicas share the machine's cores).
 
+Steps 1 and 2 run ``--rounds`` times (3), one configuration after the other in each round,
+and each row reports the round with the median added p50 (and the median CPU per request
+over the rounds); every round's figures are in the JSON. This machine's speed drifts by
+tens of percent within minutes, so one pass can favour whichever configuration ran at a
+quiet moment.
+
     .venv/bin/python -m bench.router_overhead [--quick] [--no-sglang]
 """
 
@@ -149,6 +155,18 @@ def preload(replica_urls: list[str], bodies: list[bytes]) -> None:
                 ok(c.post("/v1/completions", b), url)
         finally:
             c.close()
+
+
+def median_round(rounds: list[dict], key) -> dict:
+    """The round whose ``key`` is the median (the upper one of an even count), with the
+    median of the per-request CPU of all rounds (CPU and latency can drift separately)."""
+    chosen = dict(sorted(rounds, key=key)[len(rounds) // 2])
+    for name in ("router_cpu_ms_per_request", "gateway_cpu_ms_per_request"):
+        if name in chosen:
+            values = sorted(r[name] for r in rounds)
+            chosen[name] = values[len(values) // 2]
+    chosen["rounds"] = len(rounds)
+    return chosen
 
 
 def paired_router_run(router: ServerProcess, direct: dict[str, Conn], bodies: list[bytes],
@@ -350,6 +368,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--ks", default="0,1,2,8", help="probe fan-outs to measure (--probe-k)")
     p.add_argument("--requests", type=int, default=500, help="timed requests per configuration")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="measure every configuration this many times, in turn, and report "
+                        "the median round (this machine's speed drifts by tens of percent "
+                        "within minutes)")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--prompts", type=int, default=64, help="distinct prompts in the pool")
     p.add_argument("--prompt-chars", type=int, default=3999)
@@ -365,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.warmup, args.prompts = 40, 10, 16
+        args.requests, args.warmup, args.prompts, args.rounds = 40, 10, 16, 1
         args.throughput_seconds = 2.0
     ks = [int(k) for k in args.ks.split(",")]
     bodies = make_prompts(args.prompts, args.prompt_chars, args.seed)
@@ -374,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()
     t_start = time.monotonic()
     results: dict[int, dict] = {}
+    rounds: dict[int, list[dict]] = {}  # every round's figures, per k
+    gateway_rounds: list[dict] = []
     gateway: dict | None = None
     gateway_note = ""
     tput: dict | None = None
@@ -409,29 +433,34 @@ def main(argv: list[str] | None = None) -> None:
         stack.callback(lambda: [c.close() for c in direct.values()])
 
         try:
-            for k in ks:
-                with ServerProcess("router", *router_args(k)) as router:
-                    results[k] = r = paired_router_run(router, direct, bodies, args.requests,
-                                                       args.warmup, pids)
-                check_alive(f"the sequential run at k={k}")
-                print(f"k={k}: added p50 {r['added']['p50_ms']:.2f} ms, router CPU "
-                      f"{r['router_cpu_ms_per_request']:.2f} ms/request", flush=True)
-
-            if not args.no_sglang:
-                try:
-                    from loadtest.peers import SGLangRouter
-                    with SGLangRouter(urls, policy="cache_aware", model=MODEL) as gw:
-                        gateway = paired_gateway_run(gw, list(direct.values()), bodies,
-                                                     args.requests, args.warmup, pids)
-                        gateway["version"] = gw.executable.parent.parent.joinpath(
-                            ".installed").read_text().strip()
-                except Exception as exc:  # no network to install it, or it would not start
-                    check_alive("the SGLang gateway run")
-                    gateway_note = f"SGLang gateway skipped: {type(exc).__name__}: " \
-                                   f"{str(exc).splitlines()[0] if str(exc) else ''}"
-                    print(gateway_note, flush=True)
-            else:
-                gateway_note = "SGLang gateway skipped (--no-sglang)"
+            for rnd in range(1, args.rounds + 1):
+                for k in ks:
+                    with ServerProcess("router", *router_args(k)) as router:
+                        r = paired_router_run(router, direct, bodies, args.requests,
+                                              args.warmup, pids)
+                    rounds.setdefault(k, []).append(r)
+                    check_alive(f"the sequential run at k={k}")
+                    print(f"round {rnd}/{args.rounds} k={k}: added p50 "
+                          f"{r['added']['p50_ms']:.2f} ms, router CPU "
+                          f"{r['router_cpu_ms_per_request']:.2f} ms/request", flush=True)
+                if args.no_sglang:
+                    gateway_note = "SGLang gateway skipped (--no-sglang)"
+                elif not gateway_note:
+                    try:
+                        from loadtest.peers import SGLangRouter
+                        with SGLangRouter(urls, policy="cache_aware", model=MODEL) as gw:
+                            g = paired_gateway_run(gw, list(direct.values()), bodies,
+                                                   args.requests, args.warmup, pids)
+                            g["version"] = gw.executable.parent.parent.joinpath(
+                                ".installed").read_text().strip()
+                        gateway_rounds.append(g)
+                        print(f"round {rnd}/{args.rounds} SGLang gateway: CPU "
+                              f"{g['gateway_cpu_ms_per_request']:.2f} ms/request", flush=True)
+                    except Exception as exc:  # no network to install it, or it would not start
+                        check_alive("the SGLang gateway run")
+                        gateway_note = f"SGLang gateway skipped: {type(exc).__name__}: " \
+                                       f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                        print(gateway_note, flush=True)
 
             if args.throughput_seconds > 0:  # last: the only phase that overloads anything
                 with ServerProcess("router", *router_args(args.throughput_k)) as router:
@@ -449,12 +478,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nERROR: {exc}", flush=True)
 
     # ---- report
+    results = {k: median_round(rs, lambda r: r["added"]["p50_ms"]) for k, rs in rounds.items()}
+    if gateway_rounds:
+        gateway = median_round(gateway_rounds, lambda g: g["gateway_cpu_ms_per_request"])
     if deaths:
         print("REPLICAS DIED: " + "; ".join(deaths) + " (figures after that are missing "
               "or invalid)")
     print(f"\nrouter overhead, {args.replicas} sim replicas (speed-up 10000), "
           f"{args.prompt_chars + 1}-token prompts (full cache hits), max_tokens 1, "
-          f"sequential, {args.requests} requests per row (ms)")
+          f"sequential, {args.requests} requests per row; each row is the median of "
+          f"{args.rounds} rounds (ranges below) (ms)")
     rows = []
     for k, r in results.items():
         a, t, d = r["added"], r["through_router"], r["direct"]
@@ -474,6 +507,12 @@ def main(argv: list[str] | None = None) -> None:
     print_table(["front", "CPU/req", "user/sys", "via p50", "via p99", "direct p50", "direct p99",
                  "added p50", "added p90", "added p99", "replicas CPU/pair", "probe fails"],
                 rows)
+    for k, rs in rounds.items():
+        cpu = sorted(r["router_cpu_ms_per_request"] for r in rs)
+        added = sorted(r["added"]["p50_ms"] for r in rs)
+        print(f"k={k} over {len(rs)} rounds: router CPU {cpu[0]:.2f}-{cpu[-1]:.2f} ms "
+              f"(median {cpu[len(cpu) // 2]:.2f}), added p50 {added[0]:.2f}-{added[-1]:.2f} ms "
+              f"(median {added[len(added) // 2]:.2f})")
     if gateway is not None:
         dd = gateway["distribution_difference"]
         print(f"sglang: difference of distributions (via - direct round robin): "
@@ -502,7 +541,9 @@ def main(argv: list[str] | None = None) -> None:
                       "cache_state": "every prompt preloaded on every replica (full hits)",
                       "cpu_clock_ticks_per_s": CLK_TCK},
             "router": {f"k={k}": r for k, r in results.items()},
+            "router_rounds": {f"k={k}": rs for k, rs in rounds.items()},
             "sglang_gateway": gateway,
+            "sglang_gateway_rounds": gateway_rounds,
             "sglang_note": gateway_note or None,
             "throughput": tput,
             "replicas_died": deaths,
