@@ -3,6 +3,7 @@
 import asyncio
 import binascii
 import json
+import os
 
 import pytest
 
@@ -270,3 +271,46 @@ def test_release_waits_for_the_end_of_a_finished_stream():
     never_ended, ended = run(go())
     assert never_ended == (True, 0)
     assert ended == (True, 1)
+
+
+def test_https_upstreams_are_verified(tmp_path):
+    import shutil
+    import ssl
+    import subprocess
+    if shutil.which("openssl") is None:  # Debian and the CI image have it
+        pytest.fail("the openssl command is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def go():
+        async def serve(reader, writer):
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(ok(b"over tls"))
+                await writer.drain()
+                await reader.read(1)
+            except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+                pass
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        trusted = Client(ssl_context=ssl.create_default_context(cafile=str(cert)))
+        answer = await trusted.fetch("GET", url, "/")
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await Client().fetch("GET", url, "/")  # the system store does not know this CA
+        before = os.environ.get("SSL_CERT_FILE")
+        os.environ["SSL_CERT_FILE"] = str(cert)  # how an operator names a private CA
+        try:
+            by_env = await Client().fetch("GET", url, "/")
+        finally:
+            if before is None:
+                del os.environ["SSL_CERT_FILE"]
+            else:
+                os.environ["SSL_CERT_FILE"] = before
+        trusted.close()
+        server.close()
+        return answer, by_env
+    assert run(go()) == ((200, b"over tls"), (200, b"over tls"))
