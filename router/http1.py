@@ -12,7 +12,8 @@ and parses the answer on an ``asyncio.Protocol`` as it arrives:
   client that left) is closed, which is also how a replica learns that nobody is listening;
 - bodies framed by ``Content-Length``, ``Transfer-Encoding: chunked`` (how uvicorn streams
   SSE) or the end of the connection; TLS through the event loop's own support;
-- idle pooled connections are dropped after ``keepalive_s`` (below uvicorn's 5 s), and a
+- at most ``max_idle_per_host`` idle connections are kept per server (the newest), idle
+  ones are dropped after ``keepalive_s`` (below uvicorn's 5 s), and a
   request whose reused connection turns out to have been closed by the server before any
   byte of the answer came back is sent once more on a fresh connection;
 - a reader that falls behind pauses reading from the socket (``max_buffer`` bytes), so a
@@ -420,9 +421,11 @@ class Client:
     """Pooled HTTP/1.1 requests to base URLs (``http://host:port`` or ``https://...``)."""
 
     def __init__(self, connect_timeout: float = 1.0, keepalive_s: float = 4.0,
-                 max_buffer: int = 1 << 20, ssl_context: ssl.SSLContext | None = None) -> None:
+                 max_buffer: int = 1 << 20, ssl_context: ssl.SSLContext | None = None,
+                 max_idle_per_host: int = 256) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_s = keepalive_s
+        self.max_idle_per_host = max_idle_per_host
         self.max_buffer = max_buffer
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
@@ -533,7 +536,14 @@ class Client:
 
     def _pool(self, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
-        self._idle.setdefault(conn.key, []).append(conn)
+        idle = self._idle.get(conn.key)
+        if idle is None:
+            idle = self._idle[conn.key] = []
+        elif len(idle) >= self.max_idle_per_host:  # after a burst: keep the newest
+            idle[:] = [c for c in idle if not c.closed]
+            while len(idle) >= self.max_idle_per_host:
+                idle.pop(0).abort()
+        idle.append(conn)
 
     def idle_connections(self) -> int:
         return sum(1 for conns in self._idle.values() for c in conns if not c.closed)

@@ -314,3 +314,14 @@ def test_https_upstreams_are_verified(tmp_path):
         server.close()
         return answer, by_env
     assert run(go()) == ((200, b"over tls"), (200, b"over tls"))
+
+
+def test_idle_connections_after_a_burst_are_capped_newest_first():
+    async def go():
+        async with Scripted([ok(b"x")] * 4) as srv:
+            client = Client(max_idle_per_host=3)
+            answers = await asyncio.gather(*(client.fetch("GET", srv.url, "/")
+                                             for _ in range(8)))
+            return answers, client.idle_connections(), srv.connections
+    answers, idle, connections = run(go())
+    assert answers == [(200, b"x")] * 8 and connections == 8 and idle == 3
