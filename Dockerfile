@@ -38,7 +38,8 @@ RUN pip install \
         "pydantic-settings>=2.2" \
         "prometheus-client>=0.20" \
         "pyyaml>=6" \
-        "numpy>=1.24"
+        "numpy>=1.24" \
+        "pybase64>=1.3"
 
 # --------------------------------------------------------------------------- wheel
 # The project itself, built once for both images (no dependencies: those are above).
