@@ -56,10 +56,11 @@ class ProtocolError(ConnectionError):
 
 class Response:
     """One answer, read as it arrives. ``status`` and ``headers`` (lower-case names) are set
-    once ``Client.request`` returns; the body is read with ``chunk``, ``read`` or ``lines``."""
+    once ``Client.request`` returns; the body is read with ``chunk``, ``read`` or
+    ``readline``."""
 
-    __slots__ = ("status", "_fields", "_headers", "complete", "_conn", "_method", "_head", "_framing",
-                 "_left", "_chunk_state", "_raw", "_pieces", "_buffered", "_error",
+    __slots__ = ("status", "_fields", "_headers", "complete", "_conn", "_method", "_head",
+                 "_framing", "_left", "_chunk_state", "_raw", "_pieces", "_buffered", "_error",
                  "_head_waiter", "_body_waiter", "_paused", "got_bytes",
                  "_keep_alive", "done_at", "_lines", "_line_rest", "on_done")
 

@@ -1,6 +1,5 @@
 """Policies as pure objects: exact choices for exact inputs."""
 
-import random
 from collections import Counter
 
 import pytest
