@@ -474,6 +474,13 @@ class Client:
     def encode(self, method: str, base_url: str, path: str, body: bytes = b"",
                headers: dict[str, str] | None = None) -> bytes:
         """The request's bytes: request line, headers, body."""
+        return (self.head(method, base_url, path, headers)
+                + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def head(self, method: str, base_url: str, path: str,
+             headers: dict[str, str] | None = None) -> bytes:
+        """The request line and headers, all but ``Content-Length`` and the blank line that
+        ends them (a caller sending many bodies to one place keeps this)."""
         _, host, prefix = self._target(base_url)
         head = f"{method} {prefix}{path} HTTP/1.1\r\nHost: {host}\r\n"
         if headers:
@@ -481,7 +488,7 @@ class Client:
                 if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                     raise ValueError(f"header {name!r} contains a line break")
                 head += f"{name}: {value}\r\n"
-        return (head + f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
+        return head.encode("latin-1")
 
     async def _head(self, response: Response) -> None:
         if not response._head:

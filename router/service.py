@@ -91,7 +91,6 @@ class RouterService:
     # -- life --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.upstream.start()
         for url in self.settings.replicas:
             self.registry.add(url)
         await asyncio.gather(*(self.check(r) for r in self.registry.replicas.values()))

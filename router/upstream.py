@@ -37,10 +37,7 @@ class Upstream:
         self._internal = ({"authorization": f"Bearer {settings.internal_token}"}
                           if settings.internal_token else {})
         self._probe_headers = {"content-type": "application/json", **self._internal}
-        self._probe_heads: dict[str, bytes] = {}  # replica -> probe request head (cached)
-
-    async def start(self) -> None:
-        pass
+        self._probe_heads: dict[str, bytes] = {}  # replica -> Client.head() of its probes
 
     async def close(self) -> None:
         self.client.close()
@@ -51,7 +48,7 @@ class Upstream:
         """Probe ``urls`` concurrently; whatever has not answered by the deadline is
         abandoned (its connection closed) and reported as a TimeoutError."""
         client, heads = self.client, self._probe_heads
-        length = b"%d\r\n\r\n" % len(body)
+        length = b"Content-Length: %d\r\n\r\n" % len(body)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         all_done = loop.create_future()
@@ -70,10 +67,9 @@ class Upstream:
             for url in urls:
                 try:
                     head = heads.get(url)
-                    if head is None:  # the request line and headers up to Content-Length
-                        head = heads[url] = client.encode(
-                            "POST", url, "/probe_reuse", b"", self._probe_headers
-                        ).removesuffix(b"0\r\n\r\n")  # ends "Content-Length: "
+                    if head is None:
+                        head = heads[url] = client.head("POST", url, "/probe_reuse",
+                                                        self._probe_headers)
                     response = client.start("POST", url, head + length + body)
                 except (ValueError, OSError) as exc:
                     out[url] = exc

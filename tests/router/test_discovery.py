@@ -16,7 +16,6 @@ def test_discovery_adds_and_drops_replicas_as_dns_changes():
 
         async def run():
             svc = RouterService(RouterSettings(discover_dns="replicas.test:9001"))
-            await svc.upstream.start()
 
             async def fake_resolve(host, port):
                 assert (host, port) == ("replicas.test", 9001)
