@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pybase64
 from pydantic import ValidationError
 
-from replicas.errors import APIError
+from replicas.errors import APIError, invalid
 from replicas.schemas import ChatCompletionRequest, CompletionRequest
 from replicas.tokenizer import ByteTokenizer, ChatMessage
 
@@ -65,10 +65,7 @@ def parse_body(raw: bytes, kind: str):
     try:
         return data, schema.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        message = first.get("msg", "invalid value").removeprefix("Value error, ")
-        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+        raise invalid(exc.errors()) from None
 
 
 def tenant_salt(secret: str | None, api_key: str | None, client_salt: str | None) -> str | None:
