@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 
-from .errors import APIError, error_headers
+from .errors import APIError, error_headers, too_large
 
 log = logging.getLogger("replicas.asgi")
 
@@ -75,14 +75,14 @@ class HotRoutes:
         limit = self.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise _too_large(limit)
+                raise too_large(limit)
         message = await receive()
         if message["type"] != "http.request":
             return None
         body = message.get("body", b"")
         if not message.get("more_body"):
             if len(body) > limit:
-                raise _too_large(limit)
+                raise too_large(limit)
             return body
         parts, size = [body], len(body)
         while True:
@@ -92,14 +92,10 @@ class HotRoutes:
             part = message.get("body", b"")
             size += len(part)
             if size > limit:
-                raise _too_large(limit)
+                raise too_large(limit)
             parts.append(part)
             if not message.get("more_body"):
                 return b"".join(parts)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
 
 
 async def send_bytes(send, status: int, body: bytes, content_type: bytes = JSON,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+from .asgi import send_error
+from .errors import too_large
 
 
 class _TooLarge(Exception):
@@ -45,11 +46,4 @@ class BodySizeLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"error": {
-            "message": f"request body is larger than {self.max_bytes} bytes",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large",
-        }}).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"x-should-retry", b"false")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, too_large(self.max_bytes))

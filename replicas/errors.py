@@ -40,6 +40,11 @@ def error_headers(err: APIError) -> dict[str, str]:
     return headers
 
 
+def too_large(limit: int) -> APIError:
+    """The 413 for a request body over ``limit`` bytes."""
+    return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+
+
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=error_headers(err))
 

@@ -185,12 +185,11 @@ async def _answer(svc: RouterService, p: Prepared, decision, arrived: float, sen
     total = svc.settings.total_timeout_s
     try:
         async with asyncio.timeout(total):
-            status, body, headers = await _collect(svc, p, decision, arrived)
+            answer = await _collect(svc, p, decision, arrived)
     except TimeoutError:
         raise APIError(504, f"no complete answer within {total:g} s (total_timeout_s)",
                        type="server_error", code="timeout") from None
-    content_type = headers.pop("content-type", "application/json").encode("latin-1")
-    await send_bytes(send, status, body, content_type, headers)
+    await send_bytes(send, *answer)
 
 
 async def _stream(svc: RouterService, p: Prepared, decision, arrived: float, send) -> None:
@@ -229,16 +228,15 @@ async def _open(svc: RouterService, p: Prepared, decision, tried: list[str], arr
 
 
 async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
-                   ) -> tuple[int, bytes, dict[str, str]]:
-    """(status, body, headers) of a whole answer. Nothing has been sent to the client, so a
-    replica that fails half-way is retried on the next one."""
+                   ) -> tuple[int, bytes, bytes, dict[str, str]]:
+    """(status, body, content type, headers) of a whole answer, for ``send_bytes``. Nothing
+    has been sent to the client, so a replica that fails half-way is retried on the next."""
     tried: list[str] = []
     while True:
         try:
             replica, attempt, flight = await _open(svc, p, decision, tried, arrived)
         except _Passed as passed:
-            status, body, content_type, headers = passed.answer()
-            return status, body, {**headers, "content-type": content_type.decode("latin-1")}
+            return passed.answer()
         try:
             if svc.settings.backend == "openai":
                 body = await attempt.response.read(svc.settings.idle_timeout_s)
@@ -247,6 +245,7 @@ async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
                 body = json.dumps(collect(await attempt.chunks(), chat=p.kind == "chat"),
                                   ensure_ascii=False, separators=(",", ":")).encode()
                 content_type = "application/json"
+            content_type = content_type.encode("latin-1")
         except (ConnectionError, TimeoutError) as exc:
             attempt.close()
             flight.end(ok=False, why=str(exc) or type(exc).__name__)
@@ -260,7 +259,7 @@ async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
         flight.end(ok=True, usage=attempt.usage)
         svc.metrics.decided(replica.url, _reason(decision))
         svc.metrics.outcome(replica.url, "ok")
-        return 200, body, {**_headers(replica.url, p), "content-type": content_type}
+        return 200, body, content_type, _headers(replica.url, p)
 
 
 async def _relay(svc: RouterService, attempt: Attempt, flight: Flight, p: Prepared):
