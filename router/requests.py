@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import random
 import sys
-import uuid
 from array import array
 from dataclasses import dataclass
 
@@ -23,7 +23,7 @@ from replicas.errors import APIError, invalid
 from replicas.schemas import ChatCompletionRequest, CompletionRequest
 from replicas.tokenizer import ByteTokenizer, ChatMessage
 
-from .policies import RouteRequest, chain_keys, text_keys
+from .policies import RouteRequest, text_keys
 from .settings import RouterSettings
 
 INTERNAL_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
@@ -83,10 +83,14 @@ class RequestBuilder:
         self.settings = settings
         self.tokenizer = ByteTokenizer()
         self._session_header = settings.session_header.lower()
+        # request ids: 128 random bits like uuid4().hex, without its getrandom() system
+        # call per request (seeded from os.urandom; never from --seed, so ids never repeat
+        # across restarts)
+        self._ids = random.Random()
 
     def prepare(self, kind: str, raw: bytes, headers: dict[str, str]) -> Prepared:
         """``headers``: the client's, names in lower case."""
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = headers.get("x-request-id") or "%032x" % self._ids.getrandbits(128)
         if self.settings.backend == "openai":
             return self._pass_through(kind, raw, headers, request_id)
         data, req = parse_body(raw, kind)
@@ -101,8 +105,8 @@ class RequestBuilder:
             raise APIError(400, f"prompt has {num_tokens} tokens; this router accepts at "
                            f"most {limit}", param="prompt", code="context_length_exceeded")
         tpb = self.settings.tokens_per_block
-        route = RouteRequest(request_id, num_tokens, chain_keys(ids, tpb * 4, salt or ""), tpb,
-                             session)
+        route = RouteRequest(request_id, num_tokens, unit_tokens=tpb, session_key=session,
+                             keys_from=(ids, tpb * 4, salt or ""))  # keys when first needed
         b64 = pybase64.b64encode(ids)  # SIMD: ~12x binascii on 16 KiB
         salt_json = json.dumps(salt).encode()
         # base64 needs no JSON escaping: the large field is spliced in, not serialised

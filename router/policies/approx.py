@@ -38,7 +38,7 @@ class ApproxPrefix(Policy):
         lo, hi = min(loads.values()), max(loads.values())
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             return self._least_loaded(candidates, loads, "load out of balance: least loaded")
-        keys = request.keys
+        keys = request.prefix_keys()
         shared = {c.name: shared_units(keys, self._seen.get(c.name, ())) for c in candidates}
         best = max(shared.values()) if keys else 0
         if keys and best / len(keys) >= self.threshold:
@@ -51,7 +51,7 @@ class ApproxPrefix(Policy):
 
     def on_routed(self, request: RouteRequest, replica: str) -> None:
         seen = self._seen.setdefault(replica, OrderedDict())
-        for k in request.keys:
+        for k in request.prefix_keys():
             seen[k] = None
             seen.move_to_end(k)
         while len(seen) > self.max_keys:

@@ -13,6 +13,8 @@ import abc
 import random
 from dataclasses import dataclass, field
 
+from .keys import chain_keys
+
 
 @dataclass(slots=True)
 class LoadInfo:
@@ -40,7 +42,11 @@ class RouteRequest:
 
     ``keys`` are chained prefix keys of the prompt: per block of token ids when the router
     tokenized it (our replicas), per chunk of text for back ends it cannot tokenize for
-    (``approx_prefix`` works on either). ``session_key`` comes from a header or ``user``.
+    (``approx_prefix`` works on either). Policies read them through ``prefix_keys()``: the
+    router gives their source (``keys_from``: the arguments of ``chain_keys``) and they are
+    computed on first use, so a request that no policy step compares with another (one
+    at a time, full fan-out) never pays for them. ``session_key`` comes from a header or
+    ``user``.
     """
 
     request_id: str
@@ -48,6 +54,13 @@ class RouteRequest:
     keys: tuple[int, ...] = ()  # chained prefix keys (policies.keys), one per block/chunk
     unit_tokens: int = 32  # tokens one key stands for (tokens_per_block, or an estimate)
     session_key: str | None = None
+    keys_from: tuple[bytes, int, str] | None = None  # (data, step, scope) for chain_keys
+
+    def prefix_keys(self) -> tuple[int, ...]:
+        """``keys``, computed from ``keys_from`` the first time they are asked for."""
+        if self.keys_from is not None:
+            self.keys, self.keys_from = chain_keys(*self.keys_from), None
+        return self.keys
 
 
 @dataclass(slots=True)

@@ -60,17 +60,22 @@ class PrefixAware(Policy):
         self.max_keys = max_keys_per_replica
         self._sent: dict[str, OrderedDict[int, None]] = {}  # for choosing probe targets
         self._track_sent = False
-        # replica -> key -> unfinished prefills (a Counter: update() counts in C)
+        # Unfinished prefills this router sent, per replica: request id -> request. Their
+        # keys are counted (replica -> key -> prefills; a Counter: update() counts in C)
+        # only once a later request is compared with them, so traffic that never overlaps
+        # never computes or counts keys.
+        self._unfinished: dict[str, dict[str, RouteRequest]] = {}
         self._pending: dict[str, Counter[int]] = {}
-        self._by_request: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._counted: dict[str, set[str]] = {}  # replica -> requests whose keys are counted
+        self._where: dict[str, str] = {}  # request id -> replica, while unfinished
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
-        keys = request.keys
         for c in candidates:
-            pending = self._pending.get(c.name)
-            if pending and keys:
-                shared = shared_units(keys, pending) * request.unit_tokens
-                c.pending_reuse = min(shared, max(0, request.num_tokens - 1))
+            if self._unfinished.get(c.name):
+                keys = request.prefix_keys()
+                if keys:
+                    shared = shared_units(keys, self._pending_keys(c.name)) * request.unit_tokens
+                    c.pending_reuse = min(shared, max(0, request.num_tokens - 1))
             reuse = max(c.reuse or 0, c.pending_reuse)
             load = c.load
             rate = load.prefill_tokens_per_s if load and load.prefill_tokens_per_s > 0 \
@@ -105,7 +110,7 @@ class PrefixAware(Policy):
         if k >= len(replicas):
             return list(replicas)
         self._track_sent = True  # bounded fan-out: remember where prefixes went from now on
-        keys = request.keys
+        keys = request.prefix_keys()
         affinity = sorted(((shared_units(keys, self._sent.get(r, ())), r) for r in replicas),
                           reverse=True)
         # k - 1 slots for the replicas sent the longest shared prefix, at least one draw at
@@ -122,44 +127,63 @@ class PrefixAware(Policy):
         chosen, uncached = self._uncached.pop(request.request_id, (replica, request.num_tokens))
         self._routed += 1
         self._work[replica] = (self._recent_work(replica) + uncached, self._routed)
-        keys = request.keys
-        if not keys:
-            return
-        pending = self._pending.get(replica)
-        if pending is None:
-            pending = self._pending[replica] = Counter()
-        pending.update(keys)
-        self._by_request[request.request_id] = (replica, keys)
+        if request.request_id in self._where:  # ids come from clients: one may be reused
+            self.on_prefill_done(request, replica)  # while its first request is unfinished
+        self._unfinished.setdefault(replica, {})[request.request_id] = request
+        self._where[request.request_id] = replica
         if not self._track_sent:
             return
         sent = self._sent.setdefault(replica, OrderedDict())
-        for k in keys:
+        for k in request.prefix_keys():
             sent[k] = None
             sent.move_to_end(k)
         while len(sent) > self.max_keys:
             sent.popitem(last=False)
 
+    def _pending_keys(self, replica: str) -> Counter[int]:
+        """The keys of ``replica``'s unfinished prefills, counting any not counted yet."""
+        pending = self._pending.get(replica)
+        if pending is None:
+            pending = self._pending[replica] = Counter()
+        counted = self._counted.setdefault(replica, set())
+        unfinished = self._unfinished[replica]
+        if len(counted) < len(unfinished):
+            for rid, req in unfinished.items():
+                if rid not in counted:
+                    pending.update(req.prefix_keys())
+                    counted.add(rid)
+        return pending
+
     def on_prefill_done(self, request: RouteRequest, replica: str) -> None:
-        entry = self._by_request.pop(request.request_id, None)
-        if entry is None:
+        rid = request.request_id
+        where = self._where.pop(rid, None)
+        if where is None:
             return
-        pending = self._pending.get(entry[0])
-        if pending is not None:
-            for k in entry[1]:
-                left = pending[k] - 1
-                if left:
-                    pending[k] = left
-                else:
-                    del pending[k]
+        sent = self._unfinished[where].pop(rid)  # the request as routed
+        counted = self._counted.get(where)
+        if not counted or rid not in counted:
+            return
+        counted.discard(rid)
+        pending = self._pending[where]
+        if not counted:
+            pending.clear()
+            return
+        for k in sent.keys:
+            left = pending[k] - 1
+            if left:
+                pending[k] = left
+            else:
+                dict.__delitem__(pending, k)  # Counter's own __delitem__ is Python
 
     on_finished = on_prefill_done
 
     def forget(self, replica: str) -> None:
         self._pending.pop(replica, None)
+        self._counted.pop(replica, None)
         self._sent.pop(replica, None)
         self._work.pop(replica, None)
-        for rid in [r for r, (name, _) in self._by_request.items() if name == replica]:
-            del self._by_request[rid]
+        for rid in self._unfinished.pop(replica, {}):
+            self._where.pop(rid, None)
 
     def pending_requests(self) -> int:
-        return len(self._by_request)
+        return len(self._where)

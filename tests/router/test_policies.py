@@ -2,6 +2,7 @@
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
@@ -10,8 +11,13 @@ from router.policies import (POLICIES, Candidate, LoadInfo, RouteRequest, block_
                              chain_keys, make_policy, text_keys)
 
 
-def req(rid="r", n=256, tokens=None, session=None, tpb=32):
+def req(rid="r", n=256, tokens=None, session=None, tpb=32, lazy=False):
+    """lazy: keys from their source on first use, as the router builds requests."""
     tokens = tokens if tokens is not None else list(range(n))
+    if lazy:
+        wire = np.array(tokens, dtype="<u4").tobytes()
+        return RouteRequest(rid, len(tokens), unit_tokens=tpb, session_key=session,
+                            keys_from=(wire, 4 * tpb, ""))
     return RouteRequest(rid, len(tokens), block_keys(tokens, tpb), tpb, session)
 
 
@@ -67,7 +73,8 @@ def test_prefix_ties_break_at_random_but_reproducibly():
     assert first == again
 
 
-def test_prefix_burst_of_a_new_prefix_follows_the_first_request():
+@pytest.mark.parametrize("lazy", [False, True])
+def test_prefix_burst_of_a_new_prefix_follows_the_first_request(lazy):
     """Nothing cached anywhere yet: the first request goes anywhere; the next ones see the
     prefill this router sent there and follow it, until that queue is about two prefixes
     (1 + new_work_weight) longer than elsewhere; then they spill to a second replica."""
@@ -76,7 +83,7 @@ def test_prefix_burst_of_a_new_prefix_follows_the_first_request():
     queued = {"a": 0, "b": 0, "c": 0, "d": 0}
     chosen = []
     for i in range(40):
-        r = req(f"r{i}", tokens=shared + [5000 + i] * 32)
+        r = req(f"r{i}", tokens=shared + [5000 + i] * 32, lazy=lazy)
         cs = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e4), 0, queued[n])
               for n in queued]
         d = p.choose(r, cs)
@@ -91,6 +98,60 @@ def test_prefix_burst_of_a_new_prefix_follows_the_first_request():
     assert len(set(chosen)) == 2 and chosen[-1] != first
     p.on_prefill_done(req("r0", tokens=shared + [5000] * 32), first)
     assert p.pending_requests() == 39
+
+
+def test_prefix_keys_are_computed_only_to_compare_with_an_unfinished_prefill():
+    p = make_policy("prefix", seed=1)
+    two = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e3)) for n in ("a", "b")]
+    r1 = req("r1", n=320, lazy=True)
+    wire = r1.keys_from[0]
+    p.on_routed(r1, p.choose(r1, two).chosen)
+    p.on_prefill_done(r1, "a")
+    p.on_prefill_done(r1, "b")
+    assert r1.keys_from is not None and r1.keys == ()  # alone: never needed
+    r2, r3 = req("r2", n=320, lazy=True), req("r3", n=320, lazy=True)
+    p.on_routed(r2, "a")
+    d = p.choose(r3, [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e3)) for n in "ab"])
+    assert d.chosen == "a" and d.candidates[0].pending_reuse == 319
+    assert r2.keys_from is None and r3.keys_from is None  # compared: both computed
+    assert r2.prefix_keys() == chain_keys(wire, 4 * 32) == block_keys(list(range(320)), 32)
+    assert p._pending["a"] == Counter(r2.keys)
+
+
+def test_prefix_pending_counts_follow_counted_and_uncounted_requests():
+    p = make_policy("prefix", seed=1)
+    def a():
+        return [Candidate("a", 0, 0, LoadInfo(prefill_tokens_per_s=1e3))]
+    long_, short = req("long", n=320, lazy=True), req("short", n=128, lazy=True)
+    p.on_routed(long_, "a")
+    p.on_routed(short, "a")
+    p.choose(req("probe", n=320, lazy=True), a())  # counts both
+    assert p._pending["a"] == Counter(long_.keys) + Counter(short.keys)
+    late = req("late", n=64, lazy=True)
+    p.on_routed(late, "a")  # not counted yet
+    p.on_prefill_done(long_, "a")
+    assert p._pending["a"] == Counter(short.keys) and late.keys_from is not None
+    p.on_prefill_done(late, "a")  # never counted: nothing to take away
+    assert p._pending["a"] == Counter(short.keys)
+    p.on_prefill_done(short, "a")
+    assert p._pending["a"] == Counter() and p.pending_requests() == 0
+    assert p.choose(req("next", n=320, lazy=True), a()).candidates[0].pending_reuse == 0
+
+
+def test_prefix_request_id_reused_while_unfinished_replaces_the_first():
+    """Request ids come from clients (x-request-id): a second request under an id still
+    in flight replaces the first in the pending record instead of leaking it."""
+    p = make_policy("prefix", seed=1)
+    first, second = req("same", n=320), req("same", n=64)
+    p.on_routed(first, "a")
+    p.choose(req("x", n=320), [Candidate("a", 0, 0, LoadInfo(prefill_tokens_per_s=1e3))])
+    p.on_routed(second, "b")
+    assert p.pending_requests() == 1 and p._pending["a"] == Counter()
+    p.on_prefill_done(second, "b")
+    assert p.pending_requests() == 0
+    c = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e3)) for n in "ab"]
+    p.choose(req("y", n=320), c)
+    assert [x.pending_reuse for x in c] == [0, 0]
 
 
 def test_prefix_pending_reuse_is_dropped_when_done_or_forgotten():
