@@ -88,7 +88,7 @@ class ReplicaService:
     def probe(self, req: ProbeRequest) -> dict:
         """The ``ProbeResponse`` as a plain dict (the hot path skips model validation)."""
         if req.prompt is not None:
-            tokens = array("I", self.tokenizer.encode(req.prompt))
+            tokens = array("I", self._encode(req.prompt))
         elif req.messages is not None:
             tokens = array("I", self._render(req.messages))
         elif req.token_ids is not None:
@@ -123,10 +123,9 @@ class ReplicaService:
         if given is not None:
             return given
         p = req.prompt
-        if isinstance(p, str):
-            return self.tokenizer.encode(p)
-        if isinstance(p[0], str):
-            return self.tokenizer.encode(p[0])
+        text = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else None
+        if text is not None:
+            return self._encode(text)
         if isinstance(p[0], list):
             return self._checked_ids(p[0], "prompt")
         return self._checked_ids(p, "prompt")
@@ -227,6 +226,12 @@ class ReplicaService:
             raise APIError(400, f"prompt + max_tokens ({total_tokens} tokens) needs {blocks} "
                            f"KV pages but this replica has {self.manager.config.num_pages}",
                            param="max_tokens", code="context_length_exceeded")
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except ValueError as exc:
+            raise APIError(400, f"prompt: {exc}", param="prompt") from None
 
     def _render(self, messages) -> list[int]:
         try:

@@ -36,6 +36,17 @@ def _le32(prefix: list[int], data: bytes) -> bytes:
     return out.tobytes()
 
 
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8; ValueError (naming the position) for a lone surrogate, which JSON
+    can carry as an unpaired ``\\ud800``-style escape but no text can contain."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text has an unpaired surrogate U+{ord(text[exc.start]):04X} at "
+                         f"character {exc.start}: not valid Unicode (a \\uD8xx escape must "
+                         "be followed by its \\uDCxx pair)") from None
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
@@ -51,13 +62,13 @@ class ByteTokenizer:
     eos_token_id = EOS
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
+        ids = list(utf8(text))
         return [BOS, *ids] if add_bos else ids
 
     def encode_le32(self, text: str, add_bos: bool = True) -> bytes:
         """``encode`` as little-endian uint32 bytes, the wire form of token ids (what the
         router sends), built without a Python int per token."""
-        return _le32([BOS] if add_bos else [], text.encode("utf-8"))
+        return _le32([BOS] if add_bos else [], utf8(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; special tokens are dropped, invalid UTF-8 becomes U+FFFD."""
@@ -73,11 +84,15 @@ class ByteTokenizer:
                          add_generation_prompt: bool = True) -> bytes:
         """``render_chat`` as little-endian uint32 bytes (see ``encode_le32``)."""
         parts = [np.array([BOS], dtype="<u4")]
-        for m in messages:
+        for i, m in enumerate(messages):
             if m.role not in ROLES:
                 raise ValueError(f"unknown chat role {m.role!r}; use one of {', '.join(ROLES)}")
+            try:
+                content = utf8(m.content)
+            except ValueError as exc:
+                raise ValueError(f"message {i}: {exc}") from None
             parts.append(_LE32_IM_START)
-            parts.append(np.frombuffer(f"{m.role}\n{m.content}".encode("utf-8"), dtype=np.uint8))
+            parts.append(np.frombuffer(f"{m.role}\n".encode() + content, dtype=np.uint8))
             parts.append(_LE32_IM_END_NL)
         if add_generation_prompt:
             parts.append(_LE32_GENERATION)

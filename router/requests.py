@@ -141,11 +141,13 @@ class RequestBuilder:
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         p = req.prompt
-        if isinstance(p, str):
-            return self.tokenizer.encode_le32(p)
+        text = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else None
+        if text is not None:
+            try:
+                return self.tokenizer.encode_le32(text)
+            except ValueError as exc:
+                raise APIError(400, f"prompt: {exc}", param="prompt") from None
         first = p[0]
-        if isinstance(first, str):
-            return self.tokenizer.encode_le32(first)
         ids = first if isinstance(first, list) else p
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -14,7 +14,8 @@ from .simple import RoundRobin
 
 
 def _weight(key: str, replica: str) -> int:
-    digest = hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest()
+    data = f"{key}\x00{replica}".encode("utf-8", "surrogatepass")  # any str, even unpaired
+    digest = hashlib.blake2b(data, digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 

@@ -36,6 +36,13 @@ CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url"}]}]}, 400, "messages", "not supported"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", "valid list"),
+    # JSON can escape an unpaired surrogate; no text holds one (was a 500)
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt",
+     "prompt: text has an unpaired surrogate U+D800 at character 1"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "ok"}, '
+     b'{"role": "user", "content": "\\udfff"}]}', 400, "messages",
+     "message 1: text has an unpaired surrogate U+DFFF at character 0"),
+    ("/probe_reuse", b'{"prompt": "\\ud800"}', 400, None, "unexpected end of hex escape"),
     ("/probe_reuse", {}, 400, None, "exactly one of"),
     ("/probe_reuse", {"prompt": "a", "token_ids": [1]}, 400, None, "exactly one of"),
     ("/probe_reuse", {"token_ids_b64": "!!!"}, 400, "token_ids_b64", "not valid base64"),

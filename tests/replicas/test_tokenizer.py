@@ -1,3 +1,4 @@
+import pytest
 from hypothesis import given, strategies as st
 
 from replicas.tokenizer import (BOS, EOS, IM_END, IM_START, ByteTokenizer, ChatMessage,
@@ -33,6 +34,16 @@ def test_chat_template_is_a_prefix_of_longer_conversations(turns):
 def test_chat_template_exact_tokens():
     ids = tok.render_chat([ChatMessage("user", "hi")])
     assert ids == [BOS, IM_START, *b"user\nhi", IM_END, ord("\n"), IM_START, *b"assistant\n"]
+
+
+def test_unpaired_surrogates_are_refused_by_position():
+    with pytest.raises(ValueError, match="unpaired surrogate U\\+D800 at character 2"):
+        tok.encode("ab\ud800")
+    with pytest.raises(ValueError, match="unpaired surrogate U\\+DC00 at character 0"):
+        tok.encode_le32("\udc00x")
+    with pytest.raises(ValueError, match="^message 1: text has an unpaired surrogate U\\+DBFF"):
+        tok.render_chat_le32([ChatMessage("user", "fine"), ChatMessage("user", "\udbff")])
+    assert tok.encode("\U0001F600") == [BOS, 0xF0, 0x9F, 0x98, 0x80]  # a pair is fine
 
 
 def test_specials_do_not_decode_and_fingerprint_is_stable():

@@ -206,6 +206,9 @@ def test_session_affinity_is_stable_and_moves_little():
     moved = [k for k in homes if homes[k] != without[k]]
     assert all(homes[k] == "r4" for k in moved)  # only the removed replica's sessions move
     assert p.choose(req(session=None), mk(names)).reason == "no session key: round robin"
+    # a `user` field may carry an unpaired surrogate (JSON can escape one): still a home
+    odd = p.choose(req(session="a\ud800"), mk(names)).chosen
+    assert odd in names and odd == p.choose(req(session="a\ud800"), mk(names)).chosen
 
 
 def test_approx_prefix_follows_what_it_sent_unless_load_is_out_of_balance():

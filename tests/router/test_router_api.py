@@ -1,5 +1,7 @@
 """The router in front of live sim replicas, through the official openai client."""
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -77,9 +79,12 @@ def test_request_id_travels(live):
     ({"prompt": "x", "n": 3}, 400, "only n=1"),
     ({"max_tokens": 3}, 400, "prompt is required"),
     ({"prompt": "x" * 40000, "max_tokens": 1}, 400, "maximum context length"),
+    ({"prompt": "a\ud800b"}, 400, "prompt: text has an unpaired surrogate U+D800"),
 ])
 def test_bad_input_gets_openai_errors(live, body, status, fragment):
-    r = httpx.post(live[0].url + "/v1/completions", json=body)
+    # json.dumps escapes what is not ASCII (httpx's json= cannot send an unpaired surrogate)
+    r = httpx.post(live[0].url + "/v1/completions", content=json.dumps(body).encode(),
+                   headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
     assert r.headers["x-should-retry"] == "false"
