@@ -5,7 +5,6 @@ import signal
 import time
 
 import httpx
-import pytest
 
 from tests.procs import Proc
 

@@ -8,7 +8,7 @@ from kvcache import CacheConfig, FullAttention, KVCacheManager, ReuseScope
 from replicas.engines.base import Engine, SamplingParams
 from replicas.engines.sim import SimEngine, SimTiming
 from replicas.scheduler import QueueFull, Scheduler, SchedulerConfig
-from replicas.sequence import FinishEvent, Sequence, SeqState, TokenEvent
+from replicas.sequence import FinishEvent, Sequence, TokenEvent
 
 TPB = 4
 

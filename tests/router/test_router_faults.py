@@ -8,8 +8,6 @@ import time
 import httpx
 import pytest
 
-from tests.procs import Proc
-
 from .cluster import cluster
 
 

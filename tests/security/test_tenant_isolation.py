@@ -98,7 +98,7 @@ def test_client_salt_narrows_sharing_within_a_tenant(live):
 
 
 def test_no_api_key_is_its_own_tenant(live):
-    ka, kb = "key-a-anon", "key-b-anon"  # fresh tenants for this test
+    ka = "key-a-anon"  # a fresh tenant for this test
     r, p = live["router"], prompt("anon")
     n, _ = complete(r, p, ka)
     assert complete(r, p, ka)[1] == n - 1
@@ -118,7 +118,7 @@ def test_routers_with_the_same_secret_share_tenant_salts(live):
 
 
 def test_router_never_exposes_salts_or_keys(live):
-    ka, kb = "key-a-expose", "key-b-expose"  # fresh tenants for this test
+    ka = "key-a-expose"  # a fresh tenant for this test
     r = live["router"]
     complete(r, prompt("expose"), ka, salt="client-salt-7")
     salt = derived_salt(SECRET, ka)
