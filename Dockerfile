@@ -39,7 +39,8 @@ RUN pip install \
         "prometheus-client>=0.20" \
         "pyyaml>=6" \
         "numpy>=1.24" \
-        "pybase64>=1.3"
+        "pybase64>=1.3" \
+        "orjson>=3.9"
 
 # --------------------------------------------------------------------------- wheel
 # The project itself, built once for both images (no dependencies: those are above).

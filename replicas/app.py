@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import random
 from contextlib import asynccontextmanager
 
@@ -14,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from . import jsonwire
 from .asgi import HotRoutes, document, send_bytes
 from .body_limit import BodySizeLimit
 from .errors import APIError, install_error_handlers, invalid
@@ -80,8 +80,7 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
             raise invalid(exc.errors()) from None
         if settings.fault_probe_delay_s:
             await asyncio.sleep(settings.fault_probe_delay_s)
-        await send_bytes(send, 200, json.dumps(service.probe(request),
-                                               separators=(",", ":")).encode())
+        await send_bytes(send, 200, jsonwire.dumps(service.probe(request)))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -6,11 +6,11 @@ could still be the start of a stop string, so a stop string never reaches the cl
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from . import jsonwire
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .service import ReplicaService
 from .tokenizer import IncrementalDecoder
@@ -123,7 +123,7 @@ class Formatter:
 
     @staticmethod
     def _sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+        return f"data: {jsonwire.dumps(payload).decode()}\n\n"
 
 
 DONE = "data: [DONE]\n\n"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 from contextlib import asynccontextmanager
 
@@ -13,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from replicas import jsonwire
 from replicas.asgi import HotRoutes, document, send_bytes
 from replicas.body_limit import BodySizeLimit
 from replicas.errors import APIError, install_error_handlers
@@ -242,8 +242,7 @@ async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
                 body = await attempt.response.read(svc.settings.idle_timeout_s)
                 content_type = attempt.response.headers.get("content-type", "application/json")
             else:
-                body = json.dumps(collect(await attempt.chunks(), chat=p.kind == "chat"),
-                                  ensure_ascii=False, separators=(",", ":")).encode()
+                body = jsonwire.dumps(collect(await attempt.chunks(), chat=p.kind == "chat"))
                 content_type = "application/json"
             content_type = content_type.encode("latin-1")
         except (ConnectionError, TimeoutError) as exc:

@@ -15,6 +15,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from replicas import jsonwire
+
 from .http1 import Response
 
 DONE = b"data: [DONE]\n\n"
@@ -48,7 +50,7 @@ def error_event(message: str, type: str = "server_error", code: str | None = Non
 def parse_chunk(payload: bytes) -> dict | None:
     """An SSE data payload as a JSON object; None if it is not one."""
     try:
-        chunk = json.loads(payload)
+        chunk = jsonwire.loads(payload)
     except ValueError:
         return None
     return chunk if isinstance(chunk, dict) else None

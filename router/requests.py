@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pybase64
 from pydantic import ValidationError
 
+from replicas import jsonwire
 from replicas.errors import APIError, invalid
 from replicas.schemas import ChatCompletionRequest, CompletionRequest
 from replicas.tokenizer import ByteTokenizer, ChatMessage
@@ -47,7 +48,7 @@ class Prepared:
 def json_object(raw: bytes) -> dict:
     """The body as a JSON object; APIError 400 otherwise."""
     try:
-        data = json.loads(raw)
+        data = jsonwire.loads(raw)
     except ValueError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -170,7 +171,7 @@ class RequestBuilder:
             body["cache_salt"] = salt
         else:
             body.pop("cache_salt", None)
-        head = json.dumps(body, separators=(",", ":")).encode()  # never empty: "stream" is set
+        head = jsonwire.dumps(body)  # never empty: "stream" is set
         return head[:-1] + b',"prompt_token_ids_b64":"' + tokens_b64 + b'"}'
 
 

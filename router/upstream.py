@@ -14,6 +14,8 @@ import json
 import time
 from dataclasses import dataclass
 
+from replicas import jsonwire
+
 from .http1 import Client, Response
 from .settings import RouterSettings
 
@@ -150,7 +152,7 @@ def _probe_result(status: int, raw: bytes, seconds: float) -> ProbeResult | Prob
     if status != 200:
         return ProbeFailed(f"HTTP {status}")
     try:
-        data = json.loads(raw.decode())
+        data = jsonwire.loads(raw)
         return ProbeResult(data["num_tokens"], data["num_tokens_before_hybrid_pruning"],
                            data.get("load") or {}, seconds)
     except (ValueError, KeyError, TypeError) as exc:
