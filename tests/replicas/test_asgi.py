@@ -7,6 +7,7 @@ import json
 from fastapi import FastAPI
 
 from replicas.asgi import HotRoutes, document, send_bytes
+from replicas import coalesce
 from replicas.coalesce import CoalescingTransport
 from replicas.errors import APIError
 
@@ -150,3 +151,68 @@ def test_abort_drops_what_was_not_sent():
         await asyncio.sleep(0)
         return raw.writes, raw.aborted
     assert asyncio.run(go()) == ([], True)
+
+
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"transfer-encoding: chunked\r\n\r\n")
+
+
+def test_a_stream_head_waits_for_its_first_event():
+    async def go():
+        raw = Recorder()
+        t = CoalescingTransport(raw, asyncio.get_running_loop())
+        t.write(STREAM_HEAD)
+        await asyncio.sleep(0.005)
+        held = list(raw.writes)  # a loop step (and more) later: still held
+        t.write(b"5\r\nhello\r\n")
+        await asyncio.sleep(0)
+        together = list(raw.writes)
+        t.write(b"3\r\nbye\r\n")  # later events: at the end of their own step
+        await asyncio.sleep(0)
+        return held, together, raw.writes
+    held, together, final = asyncio.run(go())
+    assert held == []
+    assert together == [STREAM_HEAD + b"5\r\nhello\r\n"]
+    assert final == [STREAM_HEAD + b"5\r\nhello\r\n", b"3\r\nbye\r\n"]
+
+
+def test_a_stream_head_without_an_event_leaves_after_the_hold():
+    async def go():
+        raw = Recorder()
+        t = CoalescingTransport(raw, asyncio.get_running_loop())
+        t.write(STREAM_HEAD)
+        await asyncio.sleep(coalesce.HEAD_HOLD_S / 2)
+        before = list(raw.writes)
+        await asyncio.sleep(coalesce.HEAD_HOLD_S)
+        return before, raw.writes
+    assert asyncio.run(go()) == ([], [STREAM_HEAD])
+
+
+def test_only_a_lone_stream_head_is_held():
+    sized = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+
+    async def go():
+        out = []
+        for first in (sized, b"HTTP/1.1 200 OK\r\nx-note: transfer-encoding: chunked\r\n\r\n",
+                      STREAM_HEAD + b"5\r\nhello\r\n"):
+            raw = Recorder()
+            t = CoalescingTransport(raw, asyncio.get_running_loop())
+            t.write(first)
+            await asyncio.sleep(0)
+            out.append(raw.writes)
+        return out
+    assert asyncio.run(go()) == [[sized],
+                                 [b"HTTP/1.1 200 OK\r\nx-note: transfer-encoding: chunked\r\n\r\n"],
+                                 [STREAM_HEAD + b"5\r\nhello\r\n"]]
+
+
+def test_close_sends_a_held_head_and_abort_drops_it():
+    async def go():
+        closed, aborted = Recorder(), Recorder()
+        for raw in (closed, aborted):
+            t = CoalescingTransport(raw, asyncio.get_running_loop())
+            t.write(STREAM_HEAD)
+            t.close() if raw is closed else t.abort()
+        await asyncio.sleep(coalesce.HEAD_HOLD_S * 2)  # no timer fires afterwards
+        return closed.writes, aborted.writes
+    assert asyncio.run(go()) == ([STREAM_HEAD], [])
