@@ -269,3 +269,44 @@ def test_chain_keys_of_wire_bytes_equal_block_keys():
     assert chain_keys(bytes(range(250)), 5) == chain_keys(bytes(range(250)), 5)
     assert len(chain_keys(bytes(range(250)), 5)) == 50
     assert block_keys(tokens, 32)[:3] == block_keys(tokens[:96], 32)
+
+
+def test_prefix_settles_on_a_full_hit_at_an_idle_replica_only():
+    p = make_policy("prefix", seed=3)
+    r = req("s", n=320)
+
+    def fleet(a_reuse=319, a_queued=0, b_rate=1e4, b_in_flight=0, a_running=0):
+        a = Candidate("a", a_reuse, a_reuse, LoadInfo(queued_prefill_tokens=a_queued,
+                                                      running=a_running,
+                                                      prefill_tokens_per_s=1e4))
+        b = Candidate("b", None, None, LoadInfo(prefill_tokens_per_s=b_rate), b_in_flight)
+        c = Candidate("c", 100, 100, LoadInfo(prefill_tokens_per_s=1e4))
+        return a, [a, b, c]
+
+    a, cs = fleet()
+    assert p.settled(r, a, cs, {"b"})  # b could at best tie: a is in the final tie set
+    assert not p.settled(r, *fleet(a_reuse=318)[:2], {"b"})  # b might reuse more
+    assert not p.settled(r, *fleet(a_queued=5)[:2], {"b"})  # b might have an empty queue
+    assert not p.settled(r, *fleet(a_running=1)[:2], {"b"})  # b may be less busy
+    assert p.settled(r, *fleet(b_in_flight=1)[:2], {"b"})  # b is busier than a
+    # b's last known rate is 40x a's: with everything cached there, it could win outright
+    assert not p.settled(r, *fleet(b_rate=4e5)[:2], {"b"})
+    a, cs = fleet()
+    p.on_routed(req("earlier", n=320), "a")  # a got more work lately than b and c
+    p.on_prefill_done(req("earlier", n=320), "a")
+    assert not p.settled(r, a, cs, {"b"})
+    # and whenever it settles, the full choice (everyone answered alike) could pick a
+    p2 = make_policy("prefix", seed=4)
+    a, cs = fleet()
+    assert p2.settled(r, a, cs, {"b"})
+    picks = {make_policy("prefix", seed=s).choose(r, [
+        Candidate("a", 319, 319, LoadInfo(prefill_tokens_per_s=1e4)),
+        Candidate("b", 319, 319, LoadInfo(prefill_tokens_per_s=1e4)),
+        Candidate("c", 100, 100, LoadInfo(prefill_tokens_per_s=1e4))]).chosen for s in range(40)}
+    assert picks == {"a", "b"}
+
+
+def test_policies_without_settled_wait_for_every_probe():
+    a = Candidate("a", 255, 255, LoadInfo(prefill_tokens_per_s=1e4))
+    for name in ("approx_prefix", "round_robin", "least_loaded", "session"):
+        assert make_policy(name).settled(req(), a, [a, Candidate("b")], {"b"}) is False
