@@ -252,15 +252,10 @@ class RouterService:
         candidate as it arrives, and the policy may settle the choice before the rest
         answer (``Policy.settled``); answers read after that only refresh load."""
         replicas = {r.url: r for r in eligible}
-        built: dict[str, Candidate] = {}
+        built = {r.url: self._candidate(r, None) for r in eligible}
         waiting = set(targets)
         route, policy = p.route, self.policy
         deciding = True
-
-        def everyone() -> list[Candidate]:
-            """All candidates as known now (built on the first call that needs them)."""
-            return [built.get(r.url) or built.setdefault(r.url, self._candidate(r, None))
-                    for r in eligible]
 
         def on_answer(url: str, result: ProbeResult | Exception) -> bool:
             replica = replicas.get(url)
@@ -272,7 +267,7 @@ class RouterService:
             built[url] = candidate
             waiting.discard(url)
             return isinstance(result, ProbeResult) and bool(waiting) and \
-                policy.settled(route, candidate, everyone, waiting)
+                policy.settled(route, candidate, list(built.values()), waiting)
 
         try:
             probes = await self.upstream.probe_all(targets, p.probe_body, on_answer)
@@ -281,7 +276,7 @@ class RouterService:
         for url in waiting:  # not passed to on_answer: failed at once, or not awaited
             if url in probes:
                 built[url] = self._candidate(replicas[url], probes[url])
-        return probes, everyone()
+        return probes, list(built.values())
 
     def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None) -> Candidate:
         reuse = before = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .keys import chain_keys
@@ -110,13 +109,12 @@ class Policy(abc.ABC):
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         """Pick one of ``candidates`` (never empty)."""
 
-    def settled(self, request: RouteRequest, answered: Candidate,
-                candidates: Callable[[], list[Candidate]], waiting: set[str]) -> bool:
-        """A probe just answered (``answered``, as its candidate); ``candidates()`` lists
-        every candidate as known now (built on demand: call it only when needed) and
-        ``waiting`` names those whose probes have not answered. True: this policy would
-        choose ``answered`` (or one tied with it) however they answer, so the router stops
-        waiting for them. Here: never (wait for all, up to the deadline)."""
+    def settled(self, request: RouteRequest, answered: Candidate, candidates: list[Candidate],
+                waiting: set[str]) -> bool:
+        """A probe just answered (``answered``, as its candidate); ``waiting`` names the
+        candidates whose probes have not. True: this policy would choose ``answered`` (or
+        one tied with it) however they answer, so the router stops waiting for them. Here:
+        never (wait for all, up to the deadline)."""
         return False
 
     def on_routed(self, request: RouteRequest, replica: str) -> None:

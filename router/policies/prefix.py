@@ -10,8 +10,8 @@ For each candidate replica::
     score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
 and the lowest score wins (the router stops waiting for probe answers once one
-settles the choice, see ``settled``). Near-ties (scores within ``tie_share`` (5%) of the
-best, or one block of prefill at the best replica's rate if that is more) go to
+settles the choice, see ``settled``). Near-ties (scores within ``tie_share`` (5%) of the best, or one
+block of prefill at the best replica's rate if that is more) go to
 the replica with fewer outstanding requests, then to the one this router gave the least
 prefill work lately (uncached tokens routed, decaying by ``work_decay`` per routed
 request), then at random: new prefixes (no reuse anywhere, empty queues) then spread over
@@ -35,7 +35,6 @@ and load spreads (power of k choices). With ``k = 1`` the best affinity replica 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 
 from .base import Candidate, Decision, Policy, RouteRequest
 from .keys import shared_units
@@ -93,8 +92,8 @@ class PrefixAware(Policy):
         c.tie = request.unit_tokens / rate
         c.estimate = (ttft, reuse, queued)
 
-    def settled(self, request: RouteRequest, answered: Candidate,
-                candidates: Callable[[], list[Candidate]], waiting: set[str]) -> bool:
+    def settled(self, request: RouteRequest, answered: Candidate, candidates: list[Candidate],
+                waiting: set[str]) -> bool:
         """``answered`` (probed just now) is one this policy would choose among however the
         probes in ``waiting`` answer: it can reuse all of the prompt but the last token, has
         nothing queued, is within the tie window of the lowest score any replica could
@@ -110,8 +109,7 @@ class PrefixAware(Policy):
         lowest = answered.score
         tie = answered.tie
         mine = outstanding(answered)
-        everyone = candidates()
-        for c in everyone:
+        for c in candidates:
             if c is answered:
                 continue
             if c.name in waiting:
@@ -129,7 +127,7 @@ class PrefixAware(Policy):
         if answered.score > lowest + tie:
             return False
         work = self._recent_work(answered.name)
-        return all(work <= self._recent_work(c.name) + 1.0 for c in everyone)
+        return all(work <= self._recent_work(c.name) + 1.0 for c in candidates)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         for c in candidates:

@@ -283,26 +283,22 @@ def test_prefix_settles_on_a_full_hit_at_an_idle_replica_only():
         c = Candidate("c", 100, 100, LoadInfo(prefill_tokens_per_s=1e4))
         return a, [a, b, c]
 
-    def ask(policy, fleet_, waiting=("b",)):
-        a, cs = fleet_
-        return policy.settled(r, a, lambda: cs, set(waiting))
-
     a, cs = fleet()
-    assert p.settled(r, a, lambda: cs, {"b"})  # b could at best tie: a is in the final tie set
-    assert not ask(p, fleet(a_reuse=318))  # b might reuse more
-    assert not ask(p, fleet(a_queued=5))  # b might have an empty queue
-    assert not ask(p, fleet(a_running=1))  # b may be less busy
-    assert ask(p, fleet(b_in_flight=1))  # b is busier than a
+    assert p.settled(r, a, cs, {"b"})  # b could at best tie: a is in the final tie set
+    assert not p.settled(r, *fleet(a_reuse=318)[:2], {"b"})  # b might reuse more
+    assert not p.settled(r, *fleet(a_queued=5)[:2], {"b"})  # b might have an empty queue
+    assert not p.settled(r, *fleet(a_running=1)[:2], {"b"})  # b may be less busy
+    assert p.settled(r, *fleet(b_in_flight=1)[:2], {"b"})  # b is busier than a
     # b's last known rate is 40x a's: with everything cached there, it could win outright
-    assert not ask(p, fleet(b_rate=4e5))
+    assert not p.settled(r, *fleet(b_rate=4e5)[:2], {"b"})
     a, cs = fleet()
     p.on_routed(req("earlier", n=320), "a")  # a got more work lately than b and c
     p.on_prefill_done(req("earlier", n=320), "a")
-    assert not p.settled(r, a, lambda: cs, {"b"})
+    assert not p.settled(r, a, cs, {"b"})
     # and whenever it settles, the full choice (everyone answered alike) could pick a
     p2 = make_policy("prefix", seed=4)
     a, cs = fleet()
-    assert p2.settled(r, a, lambda: cs, {"b"})
+    assert p2.settled(r, a, cs, {"b"})
     picks = {make_policy("prefix", seed=s).choose(r, [
         Candidate("a", 319, 319, LoadInfo(prefill_tokens_per_s=1e4)),
         Candidate("b", 319, 319, LoadInfo(prefill_tokens_per_s=1e4)),
@@ -313,4 +309,4 @@ def test_prefix_settles_on_a_full_hit_at_an_idle_replica_only():
 def test_policies_without_settled_wait_for_every_probe():
     a = Candidate("a", 255, 255, LoadInfo(prefill_tokens_per_s=1e4))
     for name in ("approx_prefix", "round_robin", "least_loaded", "session"):
-        assert make_policy(name).settled(req(), a, lambda: [a, Candidate("b")], {"b"}) is False
+        assert make_policy(name).settled(req(), a, [a, Candidate("b")], {"b"}) is False
