@@ -23,7 +23,7 @@ from .proxy import Attempt, Retryable, UpstreamRefused
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
 from .settings import RouterSettings
-from .upstream import ProbeNotAwaited, ProbeResult, Upstream
+from .upstream import ProbeResult, Upstream
 
 log = logging.getLogger("router")
 decision_log = logging.getLogger("router.decisions")
@@ -238,45 +238,12 @@ class RouterService:
             if len(targets) < len(urls):  # bounded fan-out: choose among the probed
                 chosen = set(targets)
                 eligible = [r for r in eligible if r.url in chosen]
-            probes, candidates = await self._probe(p, eligible, targets)
-        else:
-            candidates = [self._candidate(r, None) for r in eligible]
+            probes = await self.upstream.probe_all(targets, p.probe_body)
         probe_ms = (time.perf_counter() - t0) * 1e3
+        candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
         decision = self.policy.choose(p.route, candidates)
         self._record(p, decision, probe_ms)
         return decision, probes
-
-    async def _probe(self, p: Prepared, eligible: list[Replica], targets: list[str]
-                     ) -> tuple[dict[str, ProbeResult | Exception], list[Candidate]]:
-        """Probe ``targets``; candidates for all of ``eligible``. Each answer becomes a
-        candidate as it arrives, and the policy may settle the choice before the rest
-        answer (``Policy.settled``); answers read after that only refresh load."""
-        replicas = {r.url: r for r in eligible}
-        built = {r.url: self._candidate(r, None) for r in eligible}
-        waiting = set(targets)
-        route, policy = p.route, self.policy
-        deciding = True
-
-        def on_answer(url: str, result: ProbeResult | Exception) -> bool:
-            replica = replicas.get(url)
-            if replica is None:
-                return False
-            candidate = self._candidate(replica, result)
-            if not deciding:  # read after the choice: it only refreshed the load
-                return False
-            built[url] = candidate
-            waiting.discard(url)
-            return isinstance(result, ProbeResult) and bool(waiting) and \
-                policy.settled(route, candidate, list(built.values()), waiting)
-
-        try:
-            probes = await self.upstream.probe_all(targets, p.probe_body, on_answer)
-        finally:
-            deciding = False
-        for url in waiting:  # not passed to on_answer: failed at once, or not awaited
-            if url in probes:
-                built[url] = self._candidate(replicas[url], probes[url])
-        return probes, list(built.values())
 
     def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None) -> Candidate:
         reuse = before = None
@@ -284,9 +251,6 @@ class RouterService:
         if isinstance(probe, ProbeResult):
             reuse, before = probe.num_tokens, probe.num_tokens_before_hybrid_pruning
             replica.load, replica.load_at = LoadInfo.from_wire(probe.load), time.monotonic()
-        elif isinstance(probe, ProbeNotAwaited):
-            note = "probe not awaited: an earlier answer settled the choice"
-            probe = None  # its answer, read later, is counted then
         elif probe is not None:
             note = f"probe failed: {_why(probe)}; reuse unknown"
         if self.metrics is not None and probe is not None:

@@ -4,9 +4,7 @@ All of it goes through one ``http1.Client`` (pooled keep-alive HTTP/1.1, see the
 not a general client). Probes go out together under one deadline: each is written on a
 pooled connection at once and its answer parsed as it arrives, without a task per probe;
 whatever has not answered by the deadline counts as "no reuse known" and its connection is
-closed, so a late probe never holds the request. The caller may end the wait earlier, when
-an answer settles the choice (``Policy.settled``); the probes still out are then read on,
-for the load they report, until the deadline.
+closed, so a late probe never holds the request.
 """
 
 from __future__ import annotations
@@ -14,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 from replicas import jsonwire
 
@@ -36,10 +32,6 @@ class ProbeFailed(Exception):
     pass
 
 
-class ProbeNotAwaited(Exception):
-    """The router chose before this probe answered (an answer already settled it)."""
-
-
 class Upstream:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
@@ -54,68 +46,25 @@ class Upstream:
 
     # -- probes ------------------------------------------------------------------------
 
-    async def probe_all(self, urls: list[str], body: bytes,
-                        on_answer: Callable[[str, ProbeResult | Exception], bool] | None = None
-                        ) -> dict[str, ProbeResult | Exception]:
-        """Probe ``urls`` concurrently. Each answer (or failure) is passed to ``on_answer``
-        as it arrives; when that returns True, the wait ends there: probes still out are
-        reported as ``ProbeNotAwaited``, and their answers are still read (and passed to
-        ``on_answer``, whose result then no longer matters) until the deadline, when what
-        is still out is abandoned. Without an early end, whatever has not answered by the
-        deadline is abandoned (its connection closed) and reported as a TimeoutError."""
+    async def probe_all(self, urls: list[str], body: bytes) -> dict[str, ProbeResult | Exception]:
+        """Probe ``urls`` concurrently; whatever has not answered by the deadline is
+        abandoned (its connection closed) and reported as a TimeoutError."""
         client, heads = self.client, self._probe_heads
         length = b"Content-Length: %d\r\n\r\n" % len(body)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         all_done = loop.create_future()
         remaining = 0
-        collecting = True  # until the results are handed over
-        out: dict[str, ProbeResult | Exception] = {}
 
-        def answered(url: str, result: ProbeResult | Exception) -> None:
+        def one_done(_) -> None:
             nonlocal remaining
             remaining -= 1
-            if collecting:
-                out[url] = result
-                if not all_done.done() and (remaining == 0 or (
-                        on_answer is not None and on_answer(url, result))):
-                    all_done.set_result(None)
-            elif on_answer is not None:  # read on after an early end, for the load it reports
-                on_answer(url, result)
-
-        def response_done(url: str, response: Response) -> None:
-            answered(url, _probe_result(response.status, response.body_now(),
-                                        response.done_at - t0)
-                     if response.complete else response.error or ProbeFailed("no answer"))
-
-        def task_done(url: str, task: asyncio.Task) -> None:
-            if task.cancelled():
-                return
-            exc = task.exception()
-            if exc is not None:
-                answered(url, exc)
-            else:
-                status, raw = task.result()
-                answered(url, _probe_result(status, raw, time.perf_counter() - t0))
-
-        def abandon(late: list[tuple[str, Response | asyncio.Task]]) -> None:
-            """The deadline of probes read on after an early end: what is still out is
-            closed, and reported as late."""
-            for url, item in late:
-                if isinstance(item, asyncio.Task):
-                    if item.done():
-                        continue
-                    item.cancel()
-                elif item.complete or item.error is not None:
-                    continue
-                else:
-                    item.on_done = None
-                    item.close()
-                answered(url, TimeoutError("probe deadline passed"))
+            if remaining == 0 and not all_done.done():
+                all_done.set_result(None)
 
         sent: list[tuple[str, Response]] = []  # on pooled connections: no task per probe
         opening: list[tuple[str, asyncio.Task]] = []  # a connection to open first
-        deadline_at = loop.time() + self.settings.probe_deadline_ms / 1e3
+        out: dict[str, ProbeResult | Exception] = {}
         try:
             for url in urls:
                 try:
@@ -129,47 +78,42 @@ class Upstream:
                     continue
                 remaining += 1
                 if response is not None:
-                    response.on_done = partial(response_done, url)
+                    response.on_done = one_done
                     sent.append((url, response))
                 else:
                     task = loop.create_task(client.fetch("POST", url, "/probe_reuse", body,
                                                          self._probe_headers))
-                    task.add_done_callback(partial(task_done, url))
+                    task.add_done_callback(one_done)
                     opening.append((url, task))
             if remaining:
-                deadline = loop.call_at(deadline_at,
-                                        lambda: all_done.done() or all_done.set_result(None))
+                deadline = loop.call_later(self.settings.probe_deadline_ms / 1e3,
+                                           lambda: all_done.done() or all_done.set_result(None))
                 try:
                     await all_done
                 finally:
                     deadline.cancel()
-        finally:
-            collecting = False
-            early = all_done.done() and loop.time() < deadline_at
-            if not all_done.done():  # this request was cancelled
-                all_done.cancel()
-            late: list[tuple[str, Response | asyncio.Task]] = []
+        finally:  # late probes (or all of them, if this request was cancelled) are abandoned
             for url, response in sent:
-                if url in out:
-                    continue
-                if early:  # read on until the deadline, for the load it reports
-                    out[url] = ProbeNotAwaited("the choice was settled before it answered")
-                    late.append((url, response))
+                response.on_done = None
+                if response.complete:
+                    out[url] = _probe_result(response.status, response.body_now(),
+                                             response.done_at - t0)
+                elif response.error is not None:
+                    out[url] = response.error
                 else:
-                    response.on_done = None
                     response.close()
                     out[url] = TimeoutError("probe deadline passed")
             for url, task in opening:
-                if url in out:
-                    continue
-                if early:
-                    out[url] = ProbeNotAwaited("the choice was settled before it answered")
-                    late.append((url, task))
-                else:
+                if not task.done():
                     task.cancel()
                     out[url] = TimeoutError("probe deadline passed")
-            if late:
-                loop.call_at(deadline_at, abandon, late)
+                elif task.cancelled():
+                    out[url] = TimeoutError("probe cancelled")
+                elif task.exception() is not None:
+                    out[url] = task.exception()
+                else:
+                    status, raw = task.result()
+                    out[url] = _probe_result(status, raw, time.perf_counter() - t0)
         return out
 
     # -- checks ------------------------------------------------------------------------

@@ -109,14 +109,6 @@ class Policy(abc.ABC):
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         """Pick one of ``candidates`` (never empty)."""
 
-    def settled(self, request: RouteRequest, answered: Candidate, candidates: list[Candidate],
-                waiting: set[str]) -> bool:
-        """A probe just answered (``answered``, as its candidate); ``waiting`` names the
-        candidates whose probes have not. True: this policy would choose ``answered`` (or
-        one tied with it) however they answer, so the router stops waiting for them. Here:
-        never (wait for all, up to the deadline)."""
-        return False
-
     def on_routed(self, request: RouteRequest, replica: str) -> None:
         """The request was sent to ``replica`` (after retries, the one that answered)."""
 

@@ -9,8 +9,7 @@ For each candidate replica::
     ttft_est  = (queued + uncached) / replica's prefill tokens per second
     score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
-and the lowest score wins (the router stops waiting for probe answers once one
-settles the choice, see ``settled``). Near-ties (scores within ``tie_share`` (5%) of the best, or one
+and the lowest score wins. Near-ties (scores within ``tie_share`` (5%) of the best, or one
 block of prefill at the best replica's rate if that is more) go to
 the replica with fewer outstanding requests, then to the one this router gave the least
 prefill work lately (uncached tokens routed, decaying by ``work_decay`` per routed
@@ -43,12 +42,6 @@ from .simple import outstanding
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 
 
-def _rate(c: Candidate) -> float:
-    load = c.load
-    return load.prefill_tokens_per_s if load and load.prefill_tokens_per_s > 0 \
-        else DEFAULT_PREFILL_TOKENS_PER_S
-
-
 class PrefixAware(Policy):
     name = "prefix"
     needs_probe = True
@@ -76,62 +69,23 @@ class PrefixAware(Policy):
         self._counted: dict[str, set[str]] = {}  # replica -> requests whose keys are counted
         self._where: dict[str, str] = {}  # request id -> replica, while unfinished
 
-    def _score(self, request: RouteRequest, c: Candidate) -> None:
-        """Fill ``c.score``, ``c.tie``, ``c.estimate`` (and ``c.pending_reuse``)."""
-        if self._unfinished.get(c.name):
-            keys = request.prefix_keys()
-            if keys:
-                shared = shared_units(keys, self._pending_keys(c.name)) * request.unit_tokens
-                c.pending_reuse = min(shared, max(0, request.num_tokens - 1))
-        reuse = max(c.reuse or 0, c.pending_reuse)
-        rate = _rate(c)
-        queued = (c.load.queued_prefill_tokens if c.load else 0) + c.pending_tokens
-        uncached = max(0, request.num_tokens - reuse)
-        ttft = (queued + uncached) / rate
-        c.score = ttft + self.new_work_weight * uncached / rate
-        c.tie = request.unit_tokens / rate
-        c.estimate = (ttft, reuse, queued)
-
-    def settled(self, request: RouteRequest, answered: Candidate, candidates: list[Candidate],
-                waiting: set[str]) -> bool:
-        """``answered`` (probed just now) is one this policy would choose among however the
-        probes in ``waiting`` answer: it can reuse all of the prompt but the last token, has
-        nothing queued, is within the tie window of the lowest score any replica could
-        still reach (a waiting replica: everything reusable, nothing queued, its last known
-        prefill rate), and wins the first two tie-breaks (fewest outstanding requests,
-        least recent work) against every candidate. Only that case stops the wait early,
-        so the only difference from waiting is which of the tied replicas wins."""
-        n = request.num_tokens
-        if answered.reuse is None or answered.reuse < n - 1 or answered.pending_tokens or \
-                (answered.load is not None and answered.load.queued_prefill_tokens):
-            return False
-        self._score(request, answered)
-        lowest = answered.score
-        tie = answered.tie
-        mine = outstanding(answered)
-        for c in candidates:
-            if c is answered:
-                continue
-            if c.name in waiting:
-                rate = _rate(c)
-                bound = (c.pending_tokens + 1) / rate + self.new_work_weight / rate
-                at_least = c.in_flight  # the probe's load may lower its reported count
-            else:
-                if c.score is None:
-                    self._score(request, c)
-                bound, at_least = c.score, outstanding(c)
-            if at_least < mine:
-                return False
-            lowest = min(lowest, bound)
-            tie = min(tie, request.unit_tokens / _rate(c))
-        if answered.score > lowest + tie:
-            return False
-        work = self._recent_work(answered.name)
-        return all(work <= self._recent_work(c.name) + 1.0 for c in candidates)
-
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         for c in candidates:
-            self._score(request, c)
+            if self._unfinished.get(c.name):
+                keys = request.prefix_keys()
+                if keys:
+                    shared = shared_units(keys, self._pending_keys(c.name)) * request.unit_tokens
+                    c.pending_reuse = min(shared, max(0, request.num_tokens - 1))
+            reuse = max(c.reuse or 0, c.pending_reuse)
+            load = c.load
+            rate = load.prefill_tokens_per_s if load and load.prefill_tokens_per_s > 0 \
+                else DEFAULT_PREFILL_TOKENS_PER_S
+            queued = (load.queued_prefill_tokens if load else 0) + c.pending_tokens
+            uncached = max(0, request.num_tokens - reuse)
+            ttft = (queued + uncached) / rate
+            c.score = ttft + self.new_work_weight * uncached / rate
+            c.tie = request.unit_tokens / rate
+            c.estimate = (ttft, reuse, queued)
         best = min(candidates, key=lambda c: c.score)
         window = max(best.tie, best.score * self.tie_share)
         near = [c for c in candidates if c.score <= best.score + window]
