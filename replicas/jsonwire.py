@@ -17,16 +17,18 @@ Writing differs in one way: a float that is not finite becomes ``null`` (``json`
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# digits -> "1", anything else -> "0": a run of 19 digits is then a substring search, both
+# in C (~2 us for a 4 KB body; a regular expression took ~30 us, more than json.loads)
+_DIGIT_MAP = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
+_LONG_RUN = b"1" * 19
 
 
 def loads(data: bytes) -> Any:
-    if _LONG_DIGITS.search(data) is None:
+    if _LONG_RUN not in data.translate(_DIGIT_MAP):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
