@@ -66,10 +66,13 @@ class CoalescingTransport:
         for data in lines:
             self.write(data)
 
-    def _flush(self) -> None:
+    def _unschedule(self) -> None:
         if self._flusher is not None:
-            self._flusher.cancel()  # when called early (close)
+            self._flusher.cancel()  # when called early (close, abort)
             self._flusher, self._holding = None, False
+
+    def _flush(self) -> None:
+        self._unschedule()
         pending, self._pending = self._pending, []
         if pending and not self._transport.is_closing():
             self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
@@ -79,9 +82,7 @@ class CoalescingTransport:
         self._transport.close()
 
     def abort(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            self._flusher, self._holding = None, False
+        self._unschedule()
         self._pending = []
         self._transport.abort()
 
