@@ -32,6 +32,7 @@ WORKDIR /app
 RUN pip install \
         "fastapi>=0.110" \
         "uvicorn[standard]>=0.27" \
+        "httptools>=0.6" \
         "httpx>=0.27" \
         "aiohttp>=3.9" \
         "pydantic>=2.6" \

@@ -2,9 +2,9 @@
 
 A FastAPI route passes each request through about ten layers (middleware, exception
 handlers, dependency resolution, response classes) before the endpoint runs; on the
-router's proxy endpoints and the replica's ``/probe_reuse``, which run for every request
-(``/probe_reuse`` once per replica probed), that was a large share of the CPU per request
-(BENCHMARKS.md, "router"). ``HotRoutes`` answers those few routes itself with the same
+replica's ``/probe_reuse``, which runs once per replica probed for every routed request,
+that was a large share of the CPU per request (BENCHMARKS.md, "router"; the router's own
+proxy endpoints went further, to a server of their own: ``router/server.py``). ``HotRoutes`` answers those few routes itself with the same
 contract as the framework's routes: the body-size limit (413), OpenAI-style error bodies
 for ``APIError`` (with ``x-should-retry: false`` on deterministic client errors), a 500 body
 for anything unexpected (logged). Every other request goes to the app unchanged.
@@ -118,6 +118,6 @@ def document(app: FastAPI, method: str, path: str, **route) -> None:
     (``route``: FastAPI's ``response_model``, ``responses``, ``openapi_extra`` ...)."""
 
     async def answered_by_hot_routes() -> None:
-        raise RuntimeError(f"{method} {path} is answered by HotRoutes, in front of the app")
+        raise RuntimeError(f"{method} {path} is answered in front of the app, not by it")
 
     app.add_api_route(path, answered_by_hot_routes, methods=[method], **route)

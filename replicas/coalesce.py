@@ -15,8 +15,9 @@ reader (the router) a wake-up and a read per request, and the server a write. No
 late for it: a client learns nothing from a stream's head alone, and a long prefill's
 head still leaves after ``HEAD_HOLD_S``.
 
-Used by ``python -m replicas`` and ``python -m router``:
-``uvicorn.Config(app, http=CoalescingHttpToolsProtocol, ...)``.
+Used by ``python -m replicas``: ``uvicorn.Config(app, http=CoalescingHttpToolsProtocol,
+...)``. (The router has its own server, ``router/server.py``, which writes each response
+whole.)
 """
 
 from __future__ import annotations

@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
-import uvicorn
 from pydantic import ValidationError
 
-from replicas.coalesce import CoalescingHttpToolsProtocol
+from .app import RouterApp, create_app
+from .server import HTTPServer
+from .settings import RouterSettings, parse_args
 
-from .app import create_app
-from .settings import parse_args
+try:
+    import uvloop
+except ImportError:  # uvloop is optional (uvicorn[standard] brings it on Linux and macOS)
+    uvloop = None
+
+
+async def serve(settings: RouterSettings, app: RouterApp) -> None:
+    """Check the replicas, serve until SIGINT/SIGTERM, finish what runs, stop."""
+    await app.service.start()
+    try:
+        server = HTTPServer(app.asgi, app.routes, settings.max_body_bytes,
+                            keepalive_s=settings.keepalive_s, grace_s=settings.shutdown_grace_s)
+        await server.serve(settings.host, settings.port)
+    finally:
+        await app.service.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,9 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("router").warning("no --replicas or --discover-dns given: nothing "
                                             "to route to until one is added through the "
                                             "admin API")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, http=CoalescingHttpToolsProtocol, proxy_headers=False,
-                server_header=False)
+    try:
+        if uvloop is not None:
+            uvloop.run(serve(settings, app))
+        else:
+            asyncio.run(serve(settings, app))
+    except OSError as exc:  # the port is taken, the host is not ours ...
+        logging.getLogger("router").error("cannot serve on %s:%d: %s", settings.host,
+                                          settings.port, exc)
+        return 1
+    except KeyboardInterrupt:  # a signal before serving began
+        return 130
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -13,8 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from replicas import jsonwire
-from replicas.asgi import HotRoutes, document, send_bytes
-from replicas.body_limit import BodySizeLimit
+from replicas.asgi import document, send_bytes
 from replicas.errors import APIError, install_error_handlers
 from replicas.openapi import body_schema, not_ready_body
 from replicas.openapi import install as install_openapi
@@ -26,6 +25,7 @@ from .dashboard import install_dashboard
 from .metrics import RouterMetrics
 from .proxy import DONE, Attempt, UpstreamRefused, collect, error_event
 from .requests import Prepared
+from .server import Handler
 from .service import Flight, RouterService
 from .settings import RouterSettings
 from .stats import AdminResult, ReplicaList, RouterStats, stats_view
@@ -37,23 +37,25 @@ class ReplicaURL(BaseModel):
     url: str
 
 
-def create_app(settings: RouterSettings, service: RouterService | None = None) -> HotRoutes:
-    """The router's ASGI app: the proxy endpoints as plain ASGI (``HotRoutes``), the
-    operations endpoints FastAPI (``.app``)."""
+@dataclass
+class RouterApp:
+    """What ``router.server.HTTPServer`` serves: the proxy endpoints natively (``routes``),
+    everything else through the FastAPI app (``asgi``)."""
+
+    asgi: FastAPI
+    routes: dict[tuple[str, str], Handler]
+    service: RouterService
+
+
+def create_app(settings: RouterSettings, service: RouterService | None = None) -> RouterApp:
+    """The router's endpoints. The caller starts and stops ``service`` around serving."""
     svc = service or RouterService(settings)
     svc.metrics = RouterMetrics(svc)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await svc.start()
-        yield
-        await svc.stop()
-
-    app = FastAPI(title="router", lifespan=lifespan)
+    app = FastAPI(title="router")
     app.state.service = svc
     install_error_handlers(app)
     install_openapi(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
 
     document(app, "POST", "/v1/completions", response_model=CompletionResponse,
              responses=_ERRORS, openapi_extra=body_schema(CompletionRequest))
@@ -87,10 +89,8 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
 
     install_dashboard(app)
     _admin_routes(app, svc, settings)
-    hot = HotRoutes(app, settings.max_body_bytes)
-    hot.add("POST", "/v1/completions", _proxy(svc, "completion"))
-    hot.add("POST", "/v1/chat/completions", _proxy(svc, "chat"))
-    return hot
+    return RouterApp(app, {("POST", "/v1/completions"): _proxy(svc, "completion"),
+                           ("POST", "/v1/chat/completions"): _proxy(svc, "chat")}, svc)
 
 
 def _admin_routes(app: FastAPI, svc: RouterService, settings: RouterSettings) -> None:
@@ -144,39 +144,20 @@ def _known(svc: RouterService, url: str):
     return replica
 
 
-# -- the proxy path (plain ASGI: HotRoutes) -----------------------------------------------
+# -- the proxy path (answered by router.server, not the app) -----------------------------
 
-def _proxy(svc: RouterService, kind: str):
-    async def handler(scope, body: bytes, receive, send) -> None:
+def _proxy(svc: RouterService, kind: str) -> Handler:
+    async def handler(raw_headers: list[tuple[bytes, bytes]], body: bytes, send) -> None:
+        """An APIError raised before the answer started becomes the error response; a
+        client that leaves cancels this (and with it the upstream request)."""
         arrived = time.monotonic()
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         p = svc.builder.prepare(kind, body, headers)
         decision, _ = await svc.decide(p)
-        # The answer is produced in this task; a watcher cancels it if the client leaves
-        # (which closes the upstream request). An APIError raised before the answer started
-        # goes to HotRoutes.
-        this = asyncio.current_task()
-        left = False
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            this.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            if p.stream:
-                await _stream(svc, p, decision, arrived, send)
-            else:
-                await _answer(svc, p, decision, arrived, send)
-        except asyncio.CancelledError:
-            if not left:
-                raise  # cancelled from elsewhere (the server stopping)
-            this.uncancel()
-        finally:
-            watcher.cancel()
+        if p.stream:
+            await _stream(svc, p, decision, arrived, send)
+        else:
+            await _answer(svc, p, decision, arrived, send)
     return handler
 
 

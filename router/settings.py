@@ -45,6 +45,10 @@ class RouterSettings(BaseSettings):
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
+    # the router's own server: client connections idle this long are closed; on SIGTERM,
+    # requests still running get this long to finish
+    keepalive_s: float = Field(default=75.0, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
     max_prompt_tokens: Optional[int] = Field(default=None, ge=1)
     # security
     admin_token: Optional[str] = None  # admin endpoints are off unless set

@@ -1,0 +1,410 @@
+"""The router's own HTTP/1.1 server (router/server.py), in process, over loopback sockets."""
+
+import asyncio
+import contextlib
+import json
+import socket
+
+from replicas.errors import APIError
+from router.server import MAX_HEAD_BYTES, HTTPServer
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def whole(status: int, body: bytes, send, headers=()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain"),
+                            (b"content-length", b"%d" % len(body)), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def echo(headers, body, send) -> None:
+    """A native route: answers with what it was given."""
+    seen = json.dumps({"headers": [[k.decode(), v.decode()] for k, v in headers],
+                       "body": body.decode()}).encode()
+    await whole(200, seen, send)
+
+
+async def asgi_app(scope, receive, send) -> None:
+    """The bridge's app: answers with the scope's request line."""
+    message = await receive()
+    body = json.dumps({"method": scope["method"], "path": scope["path"],
+                       "raw_path": scope["raw_path"].decode(),
+                       "query": scope["query_string"].decode(),
+                       "body": message["body"].decode()}).encode()
+    await whole(200, body, send)
+
+
+@contextlib.asynccontextmanager
+async def serving(routes=None, app=asgi_app, **settings):
+    """An HTTPServer on a free loopback port; yields (server, port); stops it after."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = HTTPServer(app, routes if routes is not None else {("POST", "/echo"): echo},
+                        settings.pop("max_body_bytes", 1000), **settings)
+    task = asyncio.get_running_loop().create_task(server.serve("127.0.0.1", port, sock=sock))
+    await asyncio.sleep(0.01)
+    try:
+        yield server, port
+    finally:
+        server.stop()
+        await task
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one response: content-length, chunked or to the close."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            parts.append((await reader.readexactly(size + 2))[:-2])
+            if size == 0:
+                break
+        body = b"".join(parts)
+    else:
+        body = await reader.read()
+    return status, headers, body
+
+
+def request(method: str, path: str, body: bytes = b"", headers: str = "") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n"
+            f"{headers}\r\n").encode() + body
+
+
+async def connect(port: int):
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+def test_a_route_gets_headers_and_body_and_the_connection_is_kept():
+    async def main():
+        async with serving() as (server, port):
+            reader, writer = await connect(port)
+            for i in range(3):
+                writer.write(request("POST", "/echo", b"hello %d" % i, "X-Thing: A\r\n"))
+                status, headers, body = await read_response(reader)
+                assert status == 200
+                seen = json.loads(body)
+                assert seen["body"] == f"hello {i}"
+                assert ["x-thing", "A"] in seen["headers"]  # names in lower case
+                assert "connection" not in headers and headers["date"].endswith("GMT")
+            assert len(server.connections) == 1
+            writer.close()
+    run(main())
+
+
+def test_pipelined_requests_are_answered_one_at_a_time_in_order():
+    events = []
+
+    async def slow(headers, body, send):
+        events.append(f"start {body.decode()}")
+        await asyncio.sleep(0.05 if body == b"1" else 0)
+        events.append(f"end {body.decode()}")
+        await whole(200, body, send)
+
+    async def main():
+        async with serving({("POST", "/s"): slow}) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(b"".join(request("POST", "/s", b"%d" % i) for i in (1, 2, 3)))
+            answers = [await read_response(reader) for _ in range(3)]
+            assert [a[2] for a in answers] == [b"1", b"2", b"3"]
+            writer.close()
+    run(main())
+    assert events == ["start 1", "end 1", "start 2", "end 2", "start 3", "end 3"]
+
+
+def test_a_chunked_request_body_arrives_whole():
+    async def main():
+        async with serving() as (_, port):
+            reader, writer = await connect(port)
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+            status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["body"] == "hello world"
+            writer.close()
+    run(main())
+
+
+def test_a_streamed_response_is_chunked_and_each_part_leaves_when_sent():
+    release = None
+
+    async def stream(headers, body, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main():
+        nonlocal release
+        release = asyncio.Event()
+        async with serving({("POST", "/s"): stream}) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(request("POST", "/s"))
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert b"transfer-encoding: chunked\r\n" in head
+            first = b"9\r\ndata: 1\n\n\r\n"
+            assert await reader.readexactly(len(first)) == first  # before the second is sent
+            release.set()
+            assert await reader.readuntil(b"0\r\n\r\n") == b"9\r\ndata: 2\n\n\r\n0\r\n\r\n"
+            writer.write(request("POST", "/echo", b"next"))  # the connection is still usable
+            assert (await read_response(reader))[0] == 200
+            writer.close()
+    run(main())
+
+
+def test_http10_gets_a_close_delimited_body_and_the_connection_closes():
+    async def stream(headers, body, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part one ", "more_body": True})
+        await send({"type": "http.response.body", "body": b"part two", "more_body": False})
+
+    async def main():
+        async with serving({("GET", "/s"): stream}) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(b"GET /s HTTP/1.0\r\n\r\n")
+            status, headers, body = await read_response(reader)
+            assert status == 200 and body == b"part one part two"
+            assert headers["connection"] == "close" and "transfer-encoding" not in headers
+            assert await reader.read() == b""
+    run(main())
+
+
+def test_limits_refuse_with_an_openai_error_and_close():
+    called = []
+
+    async def route(headers, body, send):
+        called.append(body)
+        await whole(200, b"", send)
+
+    cases = [
+        (request("POST", "/r", b"x" * 1001), 413, "request_too_large"),  # announced
+        (b"POST /r HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+         + b"400\r\n" + b"x" * 1024 + b"\r\n0\r\n\r\n", 413, "request_too_large"),  # chunked
+        (b"GET /r HTTP/1.1\r\nx-big: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n", 431, None),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400, None),
+        (b"GET /r HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+         400, None),
+    ]
+
+    async def main():
+        async with serving({("POST", "/r"): route}) as (_, port):
+            for raw, status, code in cases:
+                reader, writer = await connect(port)
+                writer.write(raw)
+                got, headers, body = await read_response(reader)
+                assert got == status, (raw[:40], body)
+                error = json.loads(body)["error"]
+                assert (got, error["code"]) == (status, code), (raw[:40], body)
+                assert error["message"] and headers["connection"] == "close"
+                assert headers["x-should-retry"] == "false"
+                assert await reader.read() == b""
+                writer.close()
+    run(main())
+    assert called == []
+
+
+def test_expect_100_continue():
+    async def main():
+        async with serving() as (_, port):
+            reader, writer = await connect(port)
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
+                         b"expect: 100-continue\r\n\r\n")
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(b"ok")
+            status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["body"] == "ok"
+            writer.close()
+    run(main())
+
+
+def test_a_client_that_leaves_cancels_its_route_and_an_asgi_app_hears_it():
+    cancelled = None
+    disconnect = None
+
+    async def forever(headers, body, send):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def waits_for_disconnect(scope, receive, send):
+        await receive()  # the body
+        disconnect.set_result((await receive())["type"])
+
+    async def main():
+        nonlocal cancelled, disconnect
+        cancelled, disconnect = asyncio.Event(), asyncio.get_running_loop().create_future()
+        async with serving({("POST", "/f"): forever}, app=waits_for_disconnect) as (srv, port):
+            for raw in (request("POST", "/f"), request("GET", "/other")):
+                _, writer = await connect(port)
+                writer.write(raw)
+                await asyncio.sleep(0.05)
+                writer.close()
+            await asyncio.wait_for(cancelled.wait(), 5)
+            assert await asyncio.wait_for(disconnect, 5) == "http.disconnect"
+            for _ in range(100):
+                if not srv.connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert not srv.connections
+    run(main())
+
+
+def test_errors_become_openai_error_bodies():
+    async def refuses(headers, body, send):
+        raise APIError(404, "no such thing", param="thing")
+
+    async def breaks(headers, body, send):
+        raise RuntimeError("bug")
+
+    async def app(scope, receive, send):
+        if scope["path"] == "/raise":
+            raise RuntimeError("bug")
+        # "/silent": returns without answering
+
+    async def main():
+        routes = {("POST", "/refuses"): refuses, ("POST", "/breaks"): breaks}
+        async with serving(routes, app=app) as (_, port):
+            reader, writer = await connect(port)
+            for raw, status, message in [
+                (request("POST", "/refuses"), 404, "no such thing"),
+                (request("POST", "/breaks"), 500, "internal error"),
+                (request("GET", "/raise"), 500, "internal error"),
+                (request("GET", "/silent"), 500, "internal error"),
+            ]:
+                writer.write(raw)
+                got, headers, body = await read_response(reader)
+                assert got == status and json.loads(body)["error"]["message"] == message
+            writer.close()
+    run(main())
+
+
+def test_the_asgi_bridge_scope_and_head_requests():
+    async def main():
+        async with serving() as (_, port):
+            reader, writer = await connect(port)
+            writer.write(request("PUT", "/a%20b/c?x=1&y=2", b"payload"))
+            status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body) == {
+                "method": "PUT", "path": "/a b/c", "raw_path": "/a%20b/c",
+                "query": "x=1&y=2", "body": "payload"}
+            writer.write(b"HEAD /x HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert length > 0  # the length of the body a GET would get; no body follows
+            writer.write(request("POST", "/echo", b"after"))
+            status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["body"] == "after"
+            writer.close()
+    run(main())
+
+
+def test_idle_connections_are_closed_after_keepalive_s():
+    async def main():
+        async with serving(keepalive_s=0.2) as (server, port):
+            reader, writer = await connect(port)
+            writer.write(request("POST", "/echo", b"x"))
+            await read_response(reader)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+            assert not server.connections
+    run(main())
+
+
+def test_a_slow_reader_holds_a_stream_back():
+    chunk = b"x" * 65536
+    written = 0
+    total = 512
+
+    async def flood(headers, body, send):
+        nonlocal written
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(total):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            written += 1
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def main():
+        async with serving({("POST", "/flood"): flood}) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(request("POST", "/flood"))
+            await asyncio.sleep(0.5)
+            held = written
+            status, _, body = await read_response(reader)
+            assert status == 200 and len(body) == total * len(chunk)
+            writer.close()
+            return held
+    held = run(main())
+    assert held < total // 2  # waited for the reader (socket buffers hold a few MiB)
+
+
+def test_shutdown_finishes_running_requests_and_refuses_new_connections():
+    started = None
+
+    async def slow(headers, body, send):
+        started.set()
+        await asyncio.sleep(0.3)
+        await whole(200, b"finished", send)
+
+    async def main():
+        nonlocal started
+        started = asyncio.Event()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = HTTPServer(asgi_app, {("POST", "/slow"): slow}, 1000)
+        serving_task = asyncio.get_running_loop().create_task(
+            server.serve("127.0.0.1", port, sock=sock))
+        await asyncio.sleep(0.01)
+        busy_reader, busy_writer = await connect(port)
+        idle_reader, _ = await connect(port)
+        busy_writer.write(request("POST", "/slow"))
+        await started.wait()
+        server.stop()
+        assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # idle: closed at once
+        status, _, body = await read_response(busy_reader)
+        assert (status, body) == (200, b"finished")
+        assert await busy_reader.read() == b""
+        await asyncio.wait_for(serving_task, 5)
+        try:
+            await connect(port)
+        except ConnectionRefusedError:
+            return
+        raise AssertionError("a connection was accepted after shutdown")
+    run(main())
+
+
+def test_shutdown_cancels_what_outlives_the_grace_period():
+    cancelled = None
+
+    async def hangs(headers, body, send):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def main():
+        nonlocal cancelled
+        cancelled = asyncio.Event()
+        async with serving({("POST", "/h"): hangs}, grace_s=0.2) as (server, port):
+            reader, writer = await connect(port)
+            writer.write(request("POST", "/h"))
+            await asyncio.sleep(0.05)
+        assert cancelled.is_set()
+        assert await reader.read() == b""
+    run(main())
