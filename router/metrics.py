@@ -1,9 +1,21 @@
-"""Prometheus metrics of the router (``router_*``), labelled by replica URL as configured."""
+"""Prometheus metrics of the router (``router_*``), labelled by replica URL as configured.
+
+The counters and histograms are this module's own: prometheus_client's take a lock and walk
+several Python objects per update (measured here: 0.4 us an increment, 0.8 us an
+observation), and the router makes about fifteen updates per routed request at k = 8. These
+keep plain numbers per label set, updated from the event loop's thread only, and hand them
+to prometheus_client's exposition at scrape time (``/metrics`` runs on the same loop), with
+the same names, types, labels and buckets (no ``_created`` series).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from bisect import bisect_left
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+from prometheus_client.utils import floatToGoString
 
 from .upstream import ProbeResult
 
@@ -33,7 +45,8 @@ class RouterMetrics:
                                      ["replica"], registry=r)
         self.reused_tokens = Counter("router_reused_tokens", "Cached prompt tokens per "
                                      "replica (from usage).", ["replica"], registry=r)
-        self.retries = Counter("router_retries", "Attempts on a further replica.", registry=r)
+        self.retries = Counter("router_retries", "Attempts on a further replica.",
+                               registry=r)
         r.register(_ReplicaState(service))
         self._children: dict[tuple, object] = {}
 
@@ -65,6 +78,99 @@ class RouterMetrics:
     def finished(self, replica: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.child(self.prompt_tokens, replica).inc(prompt_tokens)
         self.child(self.reused_tokens, replica).inc(cached_tokens)
+
+
+class _Family:
+    """A metric's label sets, registered with ``registry`` for exposition."""
+
+    def __init__(self, name: str, documentation: str, labelnames=(), registry=None) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], object] = {}
+        if not self.labelnames:
+            self._children[()] = self._child()
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str):
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        values = tuple(str(v) for v in values)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._child()
+        return child
+
+    def _child(self):
+        raise NotImplementedError
+
+    def _unlabelled(self):
+        if self.labelnames:
+            raise ValueError(f"{self.name} has labels {self.labelnames}: use labels()")
+        return self._children[()]
+
+
+class _CounterValue:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class Counter(_Family):
+    def _child(self) -> _CounterValue:
+        return _CounterValue()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._unlabelled().inc(amount)
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
+        yield family
+
+
+class _HistogramValues:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
+
+
+class Histogram(_Family):
+    def __init__(self, name: str, documentation: str, labelnames=(), buckets=(),
+                 registry=None) -> None:
+        self.bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _child(self) -> _HistogramValues:
+        return _HistogramValues(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self._unlabelled().observe(value)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        edges = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        for values, child in self._children.items():
+            total, buckets = 0, []
+            for edge, count in zip(edges, child.counts):
+                total += count
+                buckets.append((edge, total))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
 
 
 class _ReplicaState:

@@ -10,7 +10,6 @@ elsewhere. Other back ends (``--backend openai``) are relayed as they answer.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -81,22 +80,22 @@ class Attempt:
         self.usage: dict | None = None
         self.finished = False  # [DONE] seen
 
-    async def read_to_commit(self, timeout: float) -> None:
-        """Read events until the first content event (or the end); Retryable on failure."""
+    async def read_to_commit(self) -> None:
+        """Read events until the first content event (or the end); Retryable on failure.
+        The caller bounds the time (``first_byte_timeout_s``, from sending)."""
         try:
-            async with asyncio.timeout(timeout):
-                while (event := await self._next_event()) is not None:
-                    self.buffered.append(event)
-                    if event is DONE:
-                        self.first_content_at = time.monotonic()
-                        return
-                    chunk = self._parse(event)
-                    self._buffered_chunks.append(chunk)
-                    if is_content(chunk):
-                        self.first_content_at = time.monotonic()
-                        return
-        except (TimeoutError, ConnectionError) as exc:
-            raise Retryable(f"replica failed before its first token: {_describe(exc)}") from exc
+            while (event := await self._next_event()) is not None:
+                self.buffered.append(event)
+                if event is DONE:
+                    self.first_content_at = time.monotonic()
+                    return
+                chunk = self._parse(event)
+                self._buffered_chunks.append(chunk)
+                if is_content(chunk):
+                    self.first_content_at = time.monotonic()
+                    return
+        except ConnectionError as exc:
+            raise Retryable(f"replica failed before its first token: {describe(exc)}") from exc
         raise Retryable("replica closed the stream before its first token")
 
     async def rest(self) -> AsyncIterator[bytes]:
@@ -108,7 +107,7 @@ class Attempt:
                     self._parse(event)
                 yield event
         except TimeoutError as exc:
-            raise ConnectionError(_describe(exc)) from exc
+            raise ConnectionError(describe(exc)) from exc
         if not self.finished:
             raise ConnectionError("replica closed the stream early")
 
@@ -121,7 +120,7 @@ class Attempt:
                 if event is not DONE:
                     chunks.append(self._parse(event))
         except TimeoutError as exc:
-            raise ConnectionError(_describe(exc)) from exc
+            raise ConnectionError(describe(exc)) from exc
         if not self.finished:
             raise ConnectionError("replica closed the stream early")
         if None in chunks:
@@ -181,7 +180,7 @@ def collect(chunks: list[dict], chat: bool) -> dict:
             "usage": usage}
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
     return f"{type(exc).__name__}: {exc}".rstrip(": ")

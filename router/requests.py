@@ -109,9 +109,10 @@ class RequestBuilder:
         route = RouteRequest(request_id, num_tokens, unit_tokens=tpb, session_key=session,
                              keys_from=(ids, tpb * 4, salt or ""))  # keys when first needed
         b64 = pybase64.b64encode(ids)  # SIMD: ~12x binascii on 16 KiB
-        salt_json = json.dumps(salt).encode()
-        # base64 needs no JSON escaping: the large field is spliced in, not serialised
-        probe = b'{"token_ids_b64":"' + b64 + b'","cache_salt":' + salt_json + b"}"
+        salt_json = b"null" if salt is None else jsonwire.dumps(salt)
+        # base64 needs no JSON escaping: the large field is spliced in, not serialised (one
+        # join: each ``+`` would copy it again)
+        probe = b"".join((b'{"token_ids_b64":"', b64, b'","cache_salt":', salt_json, b"}"))
         return Prepared(kind, _path(kind), request_id, req.model, req.stream, include_usage,
                         salt, route, self._forward_body(data, kind, b64, salt), probe)
 
@@ -172,7 +173,7 @@ class RequestBuilder:
         else:
             body.pop("cache_salt", None)
         head = jsonwire.dumps(body)  # never empty: "stream" is set
-        return head[:-1] + b',"prompt_token_ids_b64":"' + tokens_b64 + b'"}'
+        return b"".join((head[:-1], b',"prompt_token_ids_b64":"', tokens_b64, b'"}'))
 
 
 def _path(kind: str) -> str:

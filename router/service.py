@@ -19,7 +19,7 @@ from replicas.errors import APIError
 from replicas.tokenizer import ByteTokenizer
 
 from .policies import Candidate, Decision, LoadInfo, make_policy
-from .proxy import Attempt, Retryable, UpstreamRefused
+from .proxy import Attempt, Retryable, UpstreamRefused, describe
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
 from .settings import RouterSettings
@@ -313,36 +313,50 @@ class RouterService:
                        headers={"Retry-After": last.retry_after or "1"} if status == 429 else None)
 
     async def _attempt(self, p: Prepared, replica: Replica, flight: Flight) -> Attempt:
+        """Send the request and read up to its first token (our back end, or any stream),
+        all within ``first_byte_timeout_s``."""
         headers = {"content-type": "application/json", "x-request-id": p.request_id}
         if self.settings.backend == "openai" and self.settings.backend_api_key:
             headers["authorization"] = f"Bearer {self.settings.backend_api_key}"
+        commit = p.stream or self.settings.backend == "ours"
+        response = attempt = None
         try:
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
                 response = await self.upstream.post(replica.url, p.path, p.body, headers)
+                flight.queued()
+                if response.status != 200:
+                    await self._refused(response)
+                attempt = Attempt(response, flight.started, self.settings.idle_timeout_s)
+                if commit:
+                    await attempt.read_to_commit()
         except (TimeoutError, OSError) as exc:
-            raise Retryable(f"could not reach the replica: {type(exc).__name__}: {exc}") from exc
-        flight.queued()
-        if response.status != 200:
-            try:
-                body = await response.read(self.settings.idle_timeout_s)
-            except (TimeoutError, OSError) as exc:
+            if attempt is not None:
+                attempt.close()
+                raise Retryable("replica failed before its first token: "
+                                f"{describe(exc)}") from exc
+            if response is not None:
+                response.close()
                 raise Retryable(f"replica answered {response.status} and then failed: "
                                 f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                response.close()
-            if response.status == 429 or response.status >= 500:
-                raise Retryable(f"replica answered {response.status}", response.status,
-                                response.headers.get("retry-after"))
-            raise UpstreamRefused(response.status, body, dict(response.headers))
-        attempt = Attempt(response, flight.started, self.settings.idle_timeout_s)
-        if p.stream or self.settings.backend == "ours":
-            try:
-                await attempt.read_to_commit(self.settings.first_byte_timeout_s)
-            except Retryable:
+            raise Retryable(f"could not reach the replica: {type(exc).__name__}: {exc}") from exc
+        except BaseException:  # Retryable from reading, or cancelled (the client left)
+            if attempt is not None:
                 attempt.close()
-                raise
+            raise
+        if commit:
             flight.first_token(attempt.first_content_at)
         return attempt
+
+    async def _refused(self, response) -> None:
+        """A replica's answer other than 200: Retryable (429, 5xx) or UpstreamRefused."""
+        try:
+            body = await response.read(self.settings.idle_timeout_s)
+        finally:
+            response.close()
+        if response.status == 429 or response.status >= 500:
+            raise Retryable(f"replica answered {response.status}", response.status,
+                            response.headers.get("retry-after"))
+        raise UpstreamRefused(response.status, body, dict(response.headers))
 
 
 class Flight:

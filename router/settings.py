@@ -41,7 +41,7 @@ class RouterSettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)  # first try + retries on other replicas
     retry_budget_ratio: float = Field(default=0.2, ge=0)  # retries per request, long-run cap
     connect_timeout_s: float = Field(default=1.0, gt=0)
-    first_byte_timeout_s: float = Field(default=60.0, gt=0)
+    first_byte_timeout_s: float = Field(default=60.0, gt=0)  # from sending to the first token
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
