@@ -46,6 +46,21 @@ _FRAMING_FIELDS = re.compile(r"^(content-length|transfer-encoding|connection)[ \
 _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
 
 
+def _plain_length(fields: bytes) -> int | None:
+    """The Content-Length of lower-cased header lines that frame their body with exactly one
+    ``content-length: DIGITS`` line and name neither Transfer-Encoding nor Connection; None
+    for anything else (which the general parse, ``_FRAMING_FIELDS``, then reads)."""
+    if b"transfer-encoding" in fields or b"connection" in fields or \
+            fields.count(b"content-length") != 1:
+        return None
+    start = fields.find(b"content-length: ")
+    if start < 0 or (start and fields[start - 2:start] != b"\r\n"):
+        return None
+    end = fields.find(b"\r\n", start)
+    value = fields[start + 16:] if end < 0 else fields[start + 16:end]
+    return int(value) if value.isdigit() else None
+
+
 class UpstreamClosed(ConnectionError):
     """The connection ended before the answer did."""
 
@@ -100,7 +115,9 @@ class Response:
                 raise self._error
             if self.complete:
                 return b""
-            self._body_waiter = waiter = asyncio.get_running_loop().create_future()
+            if self._conn is None:
+                raise UpstreamClosed("the answer was closed before it was read")
+            self._body_waiter = waiter = self._conn.loop.create_future()
             if idle_timeout is None:
                 await waiter
             else:
@@ -172,6 +189,9 @@ class Response:
 
     def _feed(self, data: bytes) -> None:
         self.got_bytes = True
+        if self._head and not self._raw and data.startswith(b"HTTP/1.1 200 OK\r\n") and \
+                self._method != "HEAD" and self._whole(data):
+            return
         if self._head:
             data = self._raw + data if self._raw else data
             end = data.find(b"\r\n\r\n")
@@ -210,6 +230,25 @@ class Response:
             self._feed_chunked(self._raw + data if self._raw else data)
         else:
             self._push(data)
+
+    def _whole(self, data: bytes) -> bool:
+        """The common answer in one piece (a probe's): ``200 OK``, framed by one plain
+        Content-Length, nothing after its body. Taken without the general parse; False
+        (nothing done) for anything else."""
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        fields = data[17:end]
+        length = _plain_length(fields.lower())
+        if length is None or len(data) != end + 4 + length:
+            return False
+        self.status, self._fields, self._head = 200, fields.decode("latin-1"), False
+        self._framing = _LENGTH
+        if self._head_waiter is not None and not self._head_waiter.done():
+            self._head_waiter.set_result(None)
+        self._push(data[end + 4:])
+        self._finish()
+        return True
 
     def _parse_head(self, head: bytes) -> None:
         text = head.decode("latin-1")
@@ -368,6 +407,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
+        # (asyncio.get_running_loop() is a getpid() system call each time on Python 3.11)
+        self.loop = asyncio.get_running_loop()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -495,7 +536,7 @@ class Client:
             return
         if response._error is not None:
             raise response._error
-        response._head_waiter = asyncio.get_running_loop().create_future()
+        response._head_waiter = response._conn.loop.create_future()
         await response._head_waiter
 
     # -- connections -------------------------------------------------------------------

@@ -6,9 +6,12 @@ import json
 import os
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from replicas.tokenizer import ByteTokenizer
-from router.http1 import Client, ProtocolError, UpstreamClosed
+from router.http1 import (_FRAMING_FIELDS, Client, ProtocolError, UpstreamClosed,
+                          _Connection, _plain_length)
 from tests.procs import Proc
 
 
@@ -325,3 +328,52 @@ def test_idle_connections_after_a_burst_are_capped_newest_first():
             return answers, client.idle_connections(), srv.connections
     answers, idle, connections = run(go())
     assert answers == [(200, b"x")] * 8 and connections == 8 and idle == 3
+
+
+@given(st.lists(st.tuples(
+    st.sampled_from(["content-length", "Content-Length", "x-content-length", "connection",
+                     "transfer-encoding", "content-type", "content-length ", "x-note"]),
+    st.sampled_from(["12", " 7", "0", "12 ", "x1", "", "chunked", "close", "\u0663",
+                     "content-length: 3", "application/json"]),
+    st.sampled_from([": ", ":", " : "])), max_size=5))
+def test_the_plain_content_length_shortcut_reads_what_the_full_parse_reads(lines):
+    fields = "\r\n".join(f"{name}{sep}{value}" for name, value, sep in lines).lower()
+    length = _plain_length(fields.encode())
+    if length is not None:
+        assert _FRAMING_FIELDS.findall(fields) == [("content-length", str(length))]
+
+
+class _Transport:
+    def write(self, data):
+        pass
+
+    def abort(self):
+        pass
+
+
+def _answer_fed(answer: bytes, piece: int):
+    """A Response's (status, headers, body, complete, connection pooled) after ``answer``
+    arrives in pieces of ``piece`` bytes."""
+    return run(_feed_answer(answer, piece))
+
+
+async def _feed_answer(answer: bytes, piece: int):
+    client = Client()
+    conn = _Connection(client, ("http", "h", 80))
+    conn.connection_made(_Transport())
+    response = conn.send("POST", b"")
+    for i in range(0, len(answer), piece):
+        conn.data_received(answer[i:i + piece])
+    pooled = client.idle_connections() == 1
+    return response.status, response.headers, response.body_now(), response.complete, pooled
+
+
+@given(st.lists(st.sampled_from(["date: x", "content-type: application/json",
+                                 "Content-Length: {n}", "content-length: {n}",
+                                 "x-thing: content-length", "connection: close",
+                                 "connection: keep-alive"]), max_size=4),
+       st.binary(max_size=40), st.sampled_from([b"", b"HTTP/1.1 200 OK\r\n\r\n"]))
+def test_a_whole_answer_in_one_piece_reads_as_it_does_piece_by_piece(fields, body, after):
+    head = "\r\n".join(["HTTP/1.1 200 OK"] + [f.format(n=len(body)) for f in fields])
+    answer = head.encode() + b"\r\n\r\n" + body + after
+    assert _answer_fed(answer, len(answer)) == _answer_fed(answer, 1)
