@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from .base import Candidate, Decision, Policy, RouteRequest
-from .keys import shared_units
+from .keys import remember, shared_units
 from .simple import outstanding
 
 
@@ -50,12 +50,8 @@ class ApproxPrefix(Policy):
         return self._least_loaded(candidates, loads, "no prefix sent before: least loaded")
 
     def on_routed(self, request: RouteRequest, replica: str) -> None:
-        seen = self._seen.setdefault(replica, OrderedDict())
-        for k in request.prefix_keys():
-            seen[k] = None
-            seen.move_to_end(k)
-        while len(seen) > self.max_keys:
-            seen.popitem(last=False)
+        remember(self._seen.setdefault(replica, OrderedDict()), request.prefix_keys(),
+                 self.max_keys)
 
     def forget(self, replica: str) -> None:
         self._seen.pop(replica, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,3 +112,16 @@ def shared_units(keys: tuple[int, ...], seen) -> int:
             break
         n += 1
     return n
+
+
+def remember(seen: OrderedDict[int, None], keys: tuple[int, ...], cap: int) -> None:
+    """Record ``keys`` as the most recently sent in ``seen``, an LRU set of at most ``cap``
+    keys. They are touched last key first, so that a prefix's first key is its freshest:
+    eviction then shortens a prefix from its end, as a replica's cache does, instead of
+    taking its first key and leaving the rest unmatchable (``shared_units`` matches from the
+    first key on)."""
+    for k in reversed(keys):
+        seen[k] = None
+        seen.move_to_end(k)
+    while len(seen) > cap:
+        seen.popitem(last=False)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 
 from .base import Candidate, Decision, Policy, RouteRequest
-from .keys import shared_units
+from .keys import remember, shared_units
 from .simple import outstanding
 
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
@@ -133,12 +133,8 @@ class PrefixAware(Policy):
         self._where[request.request_id] = replica
         if not self._track_sent:
             return
-        sent = self._sent.setdefault(replica, OrderedDict())
-        for k in request.prefix_keys():
-            sent[k] = None
-            sent.move_to_end(k)
-        while len(sent) > self.max_keys:
-            sent.popitem(last=False)
+        remember(self._sent.setdefault(replica, OrderedDict()), request.prefix_keys(),
+                 self.max_keys)
 
     def _pending_keys(self, replica: str) -> Counter[int]:
         """The keys of ``replica``'s unfinished prefills, counting any not counted yet."""

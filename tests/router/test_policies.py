@@ -1,6 +1,6 @@
 """Policies as pure objects: exact choices for exact inputs."""
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pytest
@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 from replicas.tokenizer import ByteTokenizer
 from router.policies import (POLICIES, Candidate, LoadInfo, RouteRequest, block_keys,
                              chain_keys, make_policy, text_keys)
+from router.policies.keys import remember, shared_units
 
 
 def req(rid="r", n=256, tokens=None, session=None, tpb=32, lazy=False):
@@ -221,6 +222,28 @@ def test_approx_prefix_follows_what_it_sent_unless_load_is_out_of_balance():
     assert d.chosen == "a" and d.reason.startswith("load out of balance")
     d = p.choose(req("4", tokens=[7] * 640), cands(("a", None, 0, 1, 1), ("b", None, 0, 1, 0)))
     assert d.chosen == "b" and d.reason.startswith("no prefix sent before")
+
+
+def test_eviction_of_what_was_sent_shortens_an_old_prefix_from_its_end():
+    """A replica's record of prefix keys is capped; evicting drops an old prompt's last
+    blocks first (its head still matches a later request sharing it), as the replica's own
+    cache does."""
+    old, new = req("old", n=320), req("new", tokens=[7] * 320)  # 10 blocks each
+    seen = OrderedDict()
+    remember(seen, old.keys, cap=20)
+    remember(seen, new.keys, cap=15)  # 5 of the old prompt's 10 keys must go
+    assert shared_units(old.keys, seen) == 5 and shared_units(new.keys, seen) == 10
+    # both policies that remember where prefixes went
+    approx = make_policy("approx_prefix", seed=0, max_keys_per_replica=15)
+    approx.on_routed(old, "a")
+    approx.on_routed(new, "a")
+    d = approx.choose(req("again", n=320), cands(("a", None, 0, 1, 0), ("b", None, 0, 1, 0)))
+    assert d.chosen == "a" and "5/10 blocks" in d.reason
+    prefix = make_policy("prefix", seed=0, max_keys_per_replica=15)
+    assert prefix.probe_targets(old, ["a", "b", "c"], 2)  # bounded fan-out: tracks keys
+    prefix.on_routed(old, "a")
+    prefix.on_routed(new, "a")
+    assert prefix.probe_targets(req("again", n=320), ["a", "b", "c"], 2)[0] == "a"
 
 
 def test_keys_chain_over_scope_and_prefix():
