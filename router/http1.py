@@ -432,9 +432,12 @@ class _Connection(asyncio.Protocol):
         if response is not None:
             response._eof(exc)
 
-    def send(self, method: str, data: bytes) -> Response:
+    def send(self, method: str, data: bytes | tuple[bytes, ...]) -> Response:
         self.response = response = Response(self, method)
-        self.transport.write(data)
+        if type(data) is tuple:  # parts: written together without joining them first
+            self.transport.writelines(data)
+        else:
+            self.transport.write(data)
         return response
 
     def release(self, reusable: bool) -> None:
@@ -497,9 +500,10 @@ class Client:
                 raise
         raise AssertionError("unreachable")
 
-    def start(self, method: str, base_url: str, data: bytes) -> Response | None:
-        """Send ``data`` (from ``encode``) on a pooled connection, without waiting; None when
-        no pooled connection is ready (then use ``request``)."""
+    def start(self, method: str, base_url: str, data: bytes | tuple[bytes, ...]
+              ) -> Response | None:
+        """Send ``data`` (from ``encode``, or its parts in a tuple) on a pooled connection,
+        without waiting; None when no pooled connection is ready (then use ``request``)."""
         conn = self._pooled(self._target(base_url)[0])
         return conn.send(method, data) if conn is not None else None
 

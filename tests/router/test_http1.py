@@ -85,7 +85,13 @@ def test_probes_and_a_stream_against_a_replica_reuse_one_connection():
         async def go():
             client = Client()
             answers = [await client.fetch("POST", rep.url, "/probe_reuse", probe.encode(),
-                                          headers) for _ in range(10)]
+                                          headers) for _ in range(9)]
+            # as the router probes: on the pooled connection, the request in parts
+            head = client.head("POST", rep.url, "/probe_reuse", headers)
+            parts = (head + b"Content-Length: %d\r\n\r\n" % len(probe), probe.encode())
+            sent = client.start("POST", rep.url, parts)
+            body = await sent.read(5.0)
+            answers.append((sent.status, body))
             r = await client.request("POST", rep.url, "/v1/completions", stream.encode(),
                                      headers)
             lines = []
