@@ -178,6 +178,7 @@ class _Connection(asyncio.Protocol):
         self.local: tuple | None = None
         self.last_active = time.monotonic()
         self.closed = False
+        self.refused = False  # an unreadable request was refused: nothing more is read
         self.req: _Request | None = None  # being read
         self.waiting: deque[_Request] = deque()  # read, behind the one being answered
         self.task: asyncio.Task | None = None  # answering a request
@@ -232,6 +233,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
+        if self.refused:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -243,10 +246,13 @@ class _Connection(asyncio.Protocol):
             self._refuse(APIError(400, f"malformed HTTP request: {exc}"))
 
     def _refuse(self, err: APIError) -> None:
-        """Answer an unreadable request and close: what follows it cannot be framed."""
-        self.transport.pause_reading()
-        if self.task is not None:  # answer it after the response being written
-            self.waiting.clear()
+        """Answer an unreadable request and close: what follows it cannot be framed. Until
+        the close, what arrives is read and dropped (left unread, it would make the close a
+        reset, which can destroy the answer on its way to the client)."""
+        self.refused = True
+        self.transport.resume_reading()  # paused if requests were pipelined
+        self.waiting.clear()  # pipelined behind the response being written: never answered
+        if self.task is not None:  # the refusal follows the response being written
             self.task.add_done_callback(lambda _: self._send_refusal(err))
         else:
             self._send_refusal(err)
@@ -331,7 +337,7 @@ class _Connection(asyncio.Protocol):
     def _answered(self, _task) -> None:
         self.task = None
         self.last_active = time.monotonic()
-        if self.closed:
+        if self.closed or self.refused:  # a refusal (_send_refusal) follows, then the close
             return
         if not (self._finished and self._keep_alive) or self.server.stopping:
             self.close()
@@ -350,6 +356,9 @@ class _Connection(asyncio.Protocol):
     async def _run(self, handler: Handler, headers, body: bytes, path: bytes) -> None:
         try:
             await handler(headers, body, self.send)
+            if not self._started:
+                log.error("the handler of %s returned no response", path.decode("latin-1"))
+                await send_error(self.send, APIError(500, "internal error", type="server_error"))
         except APIError as err:
             if not self._started:
                 await send_error(self.send, err)

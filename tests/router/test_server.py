@@ -217,6 +217,30 @@ def test_limits_refuse_with_an_openai_error_and_close():
     assert called == []
 
 
+def test_garbage_pipelined_behind_a_request_is_refused_after_its_answer():
+    calls = []
+
+    async def slow(headers, body, send):
+        calls.append(body)
+        await asyncio.sleep(0.05)
+        await whole(200, b"answered", send)
+
+    async def main():
+        async with serving({("POST", "/s"): slow}) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(request("POST", "/s", b"1") + b"GARBAGE\r\n\r\n")
+            await asyncio.sleep(0.01)  # more arrives while the first answer is being made
+            writer.write(request("POST", "/s", b"2"))
+            first = await read_response(reader)
+            second = await read_response(reader)
+            assert (first[0], first[2]) == (200, b"answered")
+            assert second[0] == 400 and second[1]["connection"] == "close"
+            assert json.loads(second[2])["error"]["message"].startswith("malformed HTTP")
+            assert await reader.read() == b""
+    run(main())
+    assert calls == [b"1"]
+
+
 def test_expect_100_continue():
     async def main():
         async with serving() as (_, port):
@@ -277,13 +301,18 @@ def test_errors_become_openai_error_bodies():
             raise RuntimeError("bug")
         # "/silent": returns without answering
 
+    async def silent(headers, body, send):
+        pass
+
     async def main():
-        routes = {("POST", "/refuses"): refuses, ("POST", "/breaks"): breaks}
+        routes = {("POST", "/refuses"): refuses, ("POST", "/breaks"): breaks,
+                  ("POST", "/silent"): silent}
         async with serving(routes, app=app) as (_, port):
             reader, writer = await connect(port)
             for raw, status, message in [
                 (request("POST", "/refuses"), 404, "no such thing"),
                 (request("POST", "/breaks"), 500, "internal error"),
+                (request("POST", "/silent"), 500, "internal error"),
                 (request("GET", "/raise"), 500, "internal error"),
                 (request("GET", "/silent"), 500, "internal error"),
             ]:
