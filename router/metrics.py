@@ -81,14 +81,16 @@ class RouterMetrics:
 
 
 class _Family:
-    """A metric's label sets, registered with ``registry`` for exposition."""
+    """A metric's label sets, each with its values (``make()``), registered with ``registry``
+    for exposition."""
 
-    def __init__(self, name: str, documentation: str, labelnames=(), registry=None) -> None:
+    def __init__(self, name: str, documentation: str, labelnames, registry, make) -> None:
         self.name, self.documentation = name, documentation
         self.labelnames = tuple(labelnames)
+        self._make = make
         self._children: dict[tuple[str, ...], object] = {}
         if not self.labelnames:
-            self._children[()] = self._child()
+            self._children[()] = make()
         if registry is not None:
             registry.register(self)
 
@@ -98,11 +100,8 @@ class _Family:
         values = tuple(str(v) for v in values)
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self._child()
+            child = self._children[values] = self._make()
         return child
-
-    def _child(self):
-        raise NotImplementedError
 
     def _unlabelled(self):
         if self.labelnames:
@@ -123,8 +122,8 @@ class _CounterValue:
 
 
 class Counter(_Family):
-    def _child(self) -> _CounterValue:
-        return _CounterValue()
+    def __init__(self, name: str, documentation: str, labelnames=(), registry=None) -> None:
+        super().__init__(name, documentation, labelnames, registry, _CounterValue)
 
     def inc(self, amount: float = 1.0) -> None:
         self._unlabelled().inc(amount)
@@ -152,11 +151,9 @@ class _HistogramValues:
 class Histogram(_Family):
     def __init__(self, name: str, documentation: str, labelnames=(), buckets=(),
                  registry=None) -> None:
-        self.bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
-        super().__init__(name, documentation, labelnames, registry)
-
-    def _child(self) -> _HistogramValues:
-        return _HistogramValues(self.bounds)
+        bounds = self.bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
+        super().__init__(name, documentation, labelnames, registry,
+                         lambda: _HistogramValues(bounds))
 
     def observe(self, value: float) -> None:
         self._unlabelled().observe(value)
