@@ -244,10 +244,10 @@ class Response:
             return False
         self.status, self._fields, self._head = 200, fields.decode("latin-1"), False
         self._framing = _LENGTH
-        if self._head_waiter is not None and not self._head_waiter.done():
-            self._head_waiter.set_result(None)
-        self._push(data[end + 4:])
-        self._finish()
+        if length:
+            self._pieces.append(data[end + 4:])
+            self._buffered = length
+        self._finish()  # wakes whoever waits for the head or the body
         return True
 
     def _parse_head(self, head: bytes) -> None:
