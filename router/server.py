@@ -116,8 +116,9 @@ class HTTPServer:
                 signals.append(sig)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
-        bound = server.sockets[0].getsockname() if server.sockets else (host, port)
-        log.info("router listening on http://%s:%d", *bound[:2])
+        for bound in (s.getsockname() for s in server.sockets):
+            address = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+            log.info("router listening on http://%s:%d", address, bound[1])
         ticker = loop.create_task(self._tick())
         try:
             await self._stop
