@@ -112,7 +112,7 @@ class HTTPServer:
         signals = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, self.stop)
+                loop.add_signal_handler(sig, self._on_signal)
                 signals.append(sig)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
@@ -122,18 +122,21 @@ class HTTPServer:
         ticker = loop.create_task(self._tick())
         try:
             await self._stop
+            server.close()
+            await self._finish(self.grace_s)
         finally:
+            server.close()
             for sig in signals:
                 loop.remove_signal_handler(sig)
-            for sig in signals:  # a second signal stops at once
-                loop.add_signal_handler(sig, self._abort_all)
-            try:
-                server.close()
-                await self._finish(self.grace_s)
-            finally:
-                for sig in signals:
-                    loop.remove_signal_handler(sig)
-                ticker.cancel()
+            ticker.cancel()
+
+    def _on_signal(self) -> None:
+        """SIGINT/SIGTERM: the first stops gracefully, another closes everything now."""
+        if self._stop is not None and self._stop.done():
+            log.info("signalled again: closing every connection now")
+            self._abort_all()
+        else:
+            self.stop()
 
     def stop(self) -> None:
         """Begin a graceful shutdown: no new connections; running requests finish."""
