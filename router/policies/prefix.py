@@ -34,12 +34,14 @@ and load spreads (power of k choices). With ``k = 1`` the best affinity replica 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from operator import attrgetter
 
 from .base import Candidate, Decision, Policy, RouteRequest
 from .keys import remember, shared_units
 from .simple import outstanding
 
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+_score = attrgetter("score")
 
 
 class PrefixAware(Policy):
@@ -70,40 +72,47 @@ class PrefixAware(Policy):
         self._where: dict[str, str] = {}  # request id -> replica, while unfinished
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+        num_tokens, unit, weight = request.num_tokens, request.unit_tokens, self.new_work_weight
+        unfinished = self._unfinished
         for c in candidates:
-            if self._unfinished.get(c.name):
+            if unfinished.get(c.name):
                 keys = request.prefix_keys()
                 if keys:
-                    shared = shared_units(keys, self._pending_keys(c.name)) * request.unit_tokens
-                    c.pending_reuse = min(shared, max(0, request.num_tokens - 1))
+                    shared = shared_units(keys, self._pending_keys(c.name)) * unit
+                    c.pending_reuse = min(shared, max(0, num_tokens - 1))
             reuse = max(c.reuse or 0, c.pending_reuse)
             load = c.load
-            rate = load.prefill_tokens_per_s if load and load.prefill_tokens_per_s > 0 \
-                else DEFAULT_PREFILL_TOKENS_PER_S
-            queued = (load.queued_prefill_tokens if load else 0) + c.pending_tokens
-            uncached = max(0, request.num_tokens - reuse)
+            if load is not None:
+                rate = load.prefill_tokens_per_s
+                if rate <= 0:
+                    rate = DEFAULT_PREFILL_TOKENS_PER_S
+                queued = load.queued_prefill_tokens + c.pending_tokens
+            else:
+                rate, queued = DEFAULT_PREFILL_TOKENS_PER_S, c.pending_tokens
+            uncached = max(0, num_tokens - reuse)
             ttft = (queued + uncached) / rate
-            c.score = ttft + self.new_work_weight * uncached / rate
-            c.tie = request.unit_tokens / rate
+            c.score = ttft + weight * uncached / rate
+            c.tie = unit / rate
             c.estimate = (ttft, reuse, queued)
-        best = min(candidates, key=lambda c: c.score)
-        window = max(best.tie, best.score * self.tie_share)
-        near = [c for c in candidates if c.score <= best.score + window]
+        best = min(candidates, key=_score)
+        top = best.score + max(best.tie, best.score * self.tie_share)
+        near = [c for c in candidates if c.score <= top]
         if len(near) > 1:
-            fewest = min(outstanding(c) for c in near)
-            near = [c for c in near if outstanding(c) == fewest]
+            busy = [outstanding(c) for c in near]
+            fewest = min(busy)
+            near = [c for c, b in zip(near, busy) if b == fewest]
         if len(near) > 1:
-            work = {c.name: self._recent_work(c.name) for c in near}
-            least = min(work.values())
-            near = [c for c in near if work[c.name] <= least + 1.0]
+            work = [self._recent_work(c.name) for c in near]
+            least = min(work) + 1.0
+            near = [c for c, w in zip(near, work) if w <= least]
         best = near[0] if len(near) == 1 else self.rng.choice(near)
-        uncached = request.num_tokens - max(best.reuse or 0, best.pending_reuse)
+        uncached = num_tokens - max(best.reuse or 0, best.pending_reuse)
         self._uncached[request.request_id] = (best.name, uncached)
         if len(self._uncached) > 4096:
             self._uncached.popitem(last=False)
         ttft, reuse, queued = best.estimate
         return Decision(best.name, f"lowest expected TTFT (est. TTFT {ttft * 1e3:.1f} ms: "
-                        f"reuse {reuse}, queued {queued} of {request.num_tokens} tokens)",
+                        f"reuse {reuse}, queued {queued} of {num_tokens} tokens)",
                         tuple(candidates))
 
     def probe_targets(self, request: RouteRequest, replicas: list[str], k: int) -> list[str]:
