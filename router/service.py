@@ -240,17 +240,19 @@ class RouterService:
                 eligible = [r for r in eligible if r.url in chosen]
             probes = await self.upstream.probe_all(targets, p.probe_body)
         probe_ms = (time.perf_counter() - t0) * 1e3
-        candidates = [self._candidate(r, probes.get(r.url)) for r in eligible]
+        now = time.monotonic()
+        candidates = [self._candidate(r, probes.get(r.url), now) for r in eligible]
         decision = self.policy.choose(p.route, candidates)
         self._record(p, decision, probe_ms)
         return decision, probes
 
-    def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None) -> Candidate:
+    def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None,
+                   now: float) -> Candidate:
         reuse = before = None
         note = ""
         if isinstance(probe, ProbeResult):
             reuse, before = probe.num_tokens, probe.num_tokens_before_hybrid_pruning
-            replica.load, replica.load_at = LoadInfo.from_wire(probe.load), time.monotonic()
+            replica.load, replica.load_at = LoadInfo.from_wire(probe.load), now
         elif probe is not None:
             note = f"probe failed: {_why(probe)}; reuse unknown"
         if self.metrics is not None and probe is not None:
