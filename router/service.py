@@ -8,13 +8,13 @@ forward to the best replica, retrying on the next best while nothing has reached
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from replicas import jsonwire
 from replicas.errors import APIError
 from replicas.tokenizer import ByteTokenizer
 
@@ -266,13 +266,13 @@ class RouterService:
         self.decisions.append(Routed(time.time(), p.request_id, p.model, p.route.num_tokens,
                                      decision, probe_ms))
         if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info(json.dumps({
+            decision_log.info(jsonwire.dumps({
                 "event": "route", "request_id": p.request_id, "model": p.model,
                 "prompt_tokens": p.route.num_tokens, "chosen": decision.chosen,
                 "reason": decision.reason, "probe_ms": round(probe_ms, 2),
                 "candidates": [{"replica": c.name, "reuse": c.reuse, "score": c.score,
                                 "in_flight": c.in_flight, "note": c.note}
-                               for c in decision.candidates]}))
+                               for c in decision.candidates]}).decode())
 
     # -- forwarding --------------------------------------------------------------------
 

@@ -72,6 +72,23 @@ def test_request_id_travels(live):
     assert r.json()["id"] == "cmpl-req-123"  # the replica saw the same id
 
 
+def test_one_decision_log_line_per_routed_request_carries_its_id():
+    with cluster(2, router_args=("--log-level", "info")) as (router, replicas):
+        r = httpx.post(router.url + "/v1/completions", json={"prompt": "log", "max_tokens": 1},
+                       headers={"x-request-id": "req-logged"})
+        assert r.status_code == 200
+        lines = [line.split(" INFO router.decisions ", 1)[1]
+                 for line in router.log().splitlines() if " INFO router.decisions " in line]
+    mine = [entry for entry in map(json.loads, lines) if entry["request_id"] == "req-logged"]
+    assert len(mine) == 1
+    entry = mine[0]
+    assert (entry["event"], entry["chosen"]) == ("route", r.headers["x-replica"])
+    assert entry["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] == 4  # BOS + 3 bytes
+    assert entry["reason"].startswith("lowest expected TTFT") and entry["probe_ms"] >= 0
+    assert sorted(c["replica"] for c in entry["candidates"]) == sorted(x.url for x in replicas)
+    assert all(c["reuse"] is not None and c["note"] == "" for c in entry["candidates"])
+
+
 @pytest.mark.parametrize("body, status, fragment", [
     ({"prompt": "x", "max_tokens": 0}, 400, "greater than or equal to 1"),
     ({"prompt": "x", "model": "other"}, 404, "not served here"),
