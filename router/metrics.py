@@ -48,36 +48,26 @@ class RouterMetrics:
         self.retries = Counter("router_retries", "Attempts on a further replica.",
                                registry=r)
         r.register(_ReplicaState(service))
-        self._children: dict[tuple, object] = {}
-
-    def child(self, metric, *labels: str):
-        """``metric.labels(*labels)``, remembered: the hot path asks for the same few label
-        sets for every request, and ``labels()`` validates and locks each time."""
-        key = (metric, labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
 
     def probe(self, replica: str, result) -> None:
         if isinstance(result, ProbeResult):
-            self.child(self.probe_seconds, replica).observe(result.seconds)
+            self.probe_seconds.labels(replica).observe(result.seconds)
         else:
             kind = "timeout" if isinstance(result, TimeoutError) else "error"
-            self.child(self.probe_failures, replica, kind).inc()
+            self.probe_failures.labels(replica, kind).inc()
 
     def decided(self, replica: str, reason: str) -> None:
-        self.child(self.decisions, replica, reason).inc()
+        self.decisions.labels(replica, reason).inc()
 
     def outcome(self, replica: str, outcome: str) -> None:
-        self.child(self.requests, replica, outcome).inc()
+        self.requests.labels(replica, outcome).inc()
 
     def first_token(self, replica: str, seconds: float) -> None:
-        self.child(self.ttft, replica).observe(seconds)
+        self.ttft.labels(replica).observe(seconds)
 
     def finished(self, replica: str, prompt_tokens: int, cached_tokens: int) -> None:
-        self.child(self.prompt_tokens, replica).inc(prompt_tokens)
-        self.child(self.reused_tokens, replica).inc(cached_tokens)
+        self.prompt_tokens.labels(replica).inc(prompt_tokens)
+        self.reused_tokens.labels(replica).inc(cached_tokens)
 
 
 class _Family:
@@ -95,12 +85,16 @@ class _Family:
             registry.register(self)
 
     def labels(self, *values: str):
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        values = tuple(str(v) for v in values)
+        """The values of one label set (the hot path asks for the same few every request:
+        one dictionary lookup)."""
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self._make()
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            key = tuple(map(str, values))
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._make()
         return child
 
     def _unlabelled(self):
