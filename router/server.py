@@ -357,12 +357,16 @@ class _Connection(asyncio.Protocol):
         self._started = self._finished = self._chunked = False
         self._head_request, self._keep_alive, self._http10 = head_request, keep_alive, http10
 
+    async def _internal_error(self) -> None:
+        """The 500 for a request whose handler failed (or said nothing) before answering."""
+        await send_error(self.send, APIError(500, "internal error", type="server_error"))
+
     async def _run(self, handler: Handler, headers, body: bytes, path: bytes) -> None:
         try:
             await handler(headers, body, self.send)
             if not self._started:
                 log.error("the handler of %s returned no response", path.decode("latin-1"))
-                await send_error(self.send, APIError(500, "internal error", type="server_error"))
+                await self._internal_error()
         except APIError as err:
             if not self._started:
                 await send_error(self.send, err)
@@ -372,12 +376,11 @@ class _Connection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error on %s", path.decode("latin-1"))
             if not self._started:
-                await send_error(self.send, APIError(500, "internal error", type="server_error"))
+                await self._internal_error()
 
     async def _bridge(self, req: _Request, path: bytes, query: bytes, body: bytes) -> None:
         """One request to the ASGI app."""
-        raw_path = path
-        path_text = raw_path.decode("latin-1")
+        path_text = path.decode("latin-1")
         if "%" in path_text:
             path_text = urllib.parse.unquote(path_text)
         scope = {
@@ -385,7 +388,7 @@ class _Connection(asyncio.Protocol):
             "http_version": "1.0" if req.http10 else "1.1",
             "server": self.local, "client": self.client, "scheme": "http",
             "method": req.method.decode("ascii"), "root_path": "", "path": path_text,
-            "raw_path": raw_path, "query_string": query, "headers": req.headers,
+            "raw_path": path, "query_string": query, "headers": req.headers,
         }
         sent_body = False
 
@@ -405,11 +408,11 @@ class _Connection(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error on %s", path_text)
             if not self._started:
-                await send_error(self.send, APIError(500, "internal error", type="server_error"))
+                await self._internal_error()
             return
         if not self._started:
             log.error("the app returned no response to %s %s", scope["method"], path_text)
-            await send_error(self.send, APIError(500, "internal error", type="server_error"))
+            await self._internal_error()
 
     async def send(self, message: dict) -> None:
         """ASGI ``send`` for the response being written."""
