@@ -30,6 +30,7 @@ class PoolLayout:
     attention: tuple[int, ...]  # FullAttention and SlidingWindow pools
     windows: tuple[tuple[int, int, int], ...]  # (pool, window, sink blocks)
     recurrent: int | None
+    names: tuple[str, ...]  # per pool, for statistics
 
     @classmethod
     def of(cls, config: CacheConfig) -> PoolLayout:
@@ -42,15 +43,27 @@ class PoolLayout:
                 if isinstance(lc, SlidingWindow)
             ),
             recurrent=next((i for i, lc in enumerate(lcs) if isinstance(lc, Recurrent)), None),
+            names=tuple(_name(lc) for lc in lcs),
         )
+
+
+def _name(lc) -> str:
+    if isinstance(lc, SlidingWindow):
+        sinks = f", sink={lc.sink_tokens}" if lc.sink_tokens else ""
+        return f"sliding_window({lc.window}{sinks})"
+    return "recurrent" if isinstance(lc, Recurrent) else "full_attention"
 
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
+    """One life cycle's pool. ``free + used + cached == num_pages``."""
+
+    life_cycle: str  # "full_attention", "sliding_window(W)" or "recurrent"
     num_pages: int
     free_pages: int
-    used_pages: int  # held by open caches (directly or through the blocks they hold)
-    cached_pages: int  # attached to blocks no open cache holds: reusable, evictable
+    used_pages: int  # needed by open caches
+    cached_pages: int  # attached to tree blocks, needed by no open cache: reusable, evictable
+    evicted_pages: int  # cached pages freed so far to make room (or by clear_reusable_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +144,9 @@ class KVCacheManager:
         for i, pool in enumerate(self._pools):
             cached = self._tree.reclaimable[i]
             free = pool.num_free
-            pools.append(PoolStats(pool.num_pages, free, pool.num_pages - free - cached, cached))
+            pools.append(PoolStats(self.layout.names[i], pool.num_pages, free,
+                                   pool.num_pages - free - cached, cached,
+                                   self._tree.evicted_pages[i]))
         return ManagerStats(
             num_pages=sum(p.num_pages for p in pools),
             free_pages=sum(p.free_pages for p in pools),

@@ -98,6 +98,7 @@ class BlockTree:
         self.reclaimable = [0] * len(self.pools)
         self.num_blocks = 0
         self.evicted_blocks = 0
+        self.evicted_pages = [0] * len(self.pools)
         self._heap: list[tuple[int, int, int, Block]] = []
         self._seq = 0
 
@@ -235,6 +236,7 @@ class BlockTree:
                 if page is not None:
                     self.detach(block, pool)
                     self.pools[pool].give_back(page)
+                    self.evicted_pages[pool] += 1
             block.alive = False
             self.num_blocks -= 1
             parent = block.parent

@@ -283,10 +283,12 @@ class ServedModelList(BaseModel):
 # -- /stats ------------------------------------------------------------------------------
 
 class PoolStatsOut(BaseModel):
+    life_cycle: str
     num_pages: int
     free_pages: int
     used_pages: int
     cached_pages: int
+    evicted_pages: int
 
 
 class KVCacheStatsOut(BaseModel):

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from kvcache import (CacheConfig, FullAttention, KVCacheManager, Recurrent, ReuseScope,
+from kvcache import (CacheConfig, FullAttention, KVCacheManager, PoolStats, Recurrent, ReuseScope,
                      SlidingWindow)
 
 from .helpers import seq, serve
@@ -175,10 +175,9 @@ def test_sliding_window_with_full_attention_and_sinks():
     assert [mgr.probe_reuse(seq(0, n)).num_tokens for n in (32, 64, 96, 128, 160)] == \
         [32, 32, 32, 32, 160]
     assert mgr.stats().pools == (
-        mgr.stats().pools[0],
-        type(mgr.stats().pools[0])(256, 253, 0, 3),
+        PoolStats("full_attention", 256, 251, 0, 5, 0),
+        PoolStats("sliding_window(64, sink=32)", 256, 253, 0, 3, 0),
     )
-    assert mgr.stats().pools[0].cached_pages == 5
 
 
 def test_sliding_window_pages_kept_while_another_cache_reads_them():
