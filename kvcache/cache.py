@@ -1,10 +1,12 @@
 """KVCache: one sequence's hold on the tree and its own pages.
 
 A cache is made by ``KVCacheManager.create_kv_cache``. It keeps, per attention pool, a
-block table (one page per block; ``None`` once a window page was given back), the tree
-blocks it holds (``path``: one per committed full block), a live recurrent page, and what
-its first ``resize`` must copy (a partial source, a recurrent snapshot). Every rule here
-is spelled out in docs/kvcache.md ("A cache's life").
+block table (one page per block; ``None`` where a window page is not needed: out of the
+window), the tree blocks it holds (``path``: one per committed full block), a live
+recurrent page, and what its first ``resize`` must copy (a partial source, a recurrent
+snapshot). It references (``PagePool.refs``) exactly the pages it needs; every other page
+on a block it holds is cached. Every rule here is spelled out in docs/kvcache.md ("A
+cache's life").
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class KVCache:
         self._tree = manager._tree
         self._pools = manager._pools
         self._tpb = manager.config.tokens_per_block
+        self._recurrent = layout.recurrent
         self.scope = scope
         self.num_reused_tokens = match.probe.num_tokens
         self.num_tokens_before_hybrid_pruning = match.probe.num_tokens_before_hybrid_pruning
@@ -42,10 +45,9 @@ class KVCache:
         self._tables: dict[int, list[int | None]] = {i: [] for i in layout.attention}
         self._released_upto = {pool: 0 for pool, _, _ in layout.windows}
         self._live_page: int | None = None
+        self._live_valid = True
         self._partial_source: Block | None = match.partial
-        self._restore_from: Block | None = None
-        if layout.recurrent is not None and self._path:
-            self._restore_from = self._path[-1]
+        self._restore_from: Block | None = match.restore
         self._hold_reused()
 
     # -- read-only views -------------------------------------------------------------
@@ -68,22 +70,24 @@ class KVCache:
 
     def block_table(self, pool: int) -> list[int | None]:
         """Page per block for attention pool ``pool``; ``None`` where a block's window page
-        was given back (or never needed: it was out of the window when reused)."""
+        is not this cache's to read (it left the window, or was out of the window when the
+        prefix was reused)."""
         if pool not in self._tables:
             raise ValueError(f"pool {pool} is not an attention life cycle")
         return list(self._tables[pool])
 
     def live_state_page(self, pool: int) -> int | None:
         """The recurrent pool's page holding this sequence's live state (after ``resize``)."""
-        if pool != self._mgr.layout.recurrent:
+        if pool != self._recurrent:
             raise ValueError(f"pool {pool} is not the Recurrent life cycle")
         return self._live_page
 
     def held_blocks(self) -> list[Block]:
         """Tree blocks this cache holds (internal: for the manager's self-check)."""
         held = list(self._path)
-        if self._partial_source is not None:
-            held.append(self._partial_source)
+        for block in (self._partial_source, self._restore_from):
+            if block is not None:
+                held.append(block)
         return held
 
     # -- life ------------------------------------------------------------------------
@@ -104,14 +108,14 @@ class KVCache:
         if need_blocks < self._num_blocks:
             self._shrink(need_blocks)
         needs = {pool: need_blocks - self._num_blocks for pool in self._tables}
-        recurrent = self._mgr.layout.recurrent
+        recurrent = self._recurrent
         if recurrent is not None and self._live_page is None:
             needs[recurrent] = 1
         for pool, count in needs.items():
             if count > self._pools[pool].num_free + self._tree.reclaimable[pool]:
                 return False
-        for pool, count in needs.items():
-            for _ in range(count):
+        for pool in sorted(needs):  # pools take their pages in pool order
+            for _ in range(needs[pool]):
                 page = self._take(pool)
                 if pool == recurrent:
                     self._live_page = page
@@ -123,7 +127,8 @@ class KVCache:
         return True
 
     def commit(self, new_tokens) -> None:
-        """Mark ``new_tokens``, the next tokens of the sequence, as computed."""
+        """Mark ``new_tokens``, the next tokens of the sequence, as computed (their K/V and
+        the live recurrent state written by the engine)."""
         self._check_open()
         new = as_token_array(new_tokens)
         if self.num_committed_tokens + len(new) > self._capacity:
@@ -133,37 +138,40 @@ class KVCache:
             )
         if not new:
             return
+        tick = self._mgr._next_tick()
         first_new_block = len(self._path)
         self._tokens.extend(new)
         for index in range(first_new_block, len(self._tokens) // self._tpb):
             self._insert_block(index)
-        self._release_window_pages()
-        if self._mgr.layout.recurrent is not None and len(self._tokens) % self._tpb == 0:
-            self._keep_snapshot()
+        self._release_window_pages(tick)
+        if self._recurrent is not None and len(self._tokens) % self._tpb == 0:
+            self._keep_snapshot(tick)
+
+    def invalidate_live_state(self) -> None:
+        """Say that the live recurrent state no longer matches the committed tokens (an
+        engine step failed midway): no snapshot is taken from it any more, at a commit or
+        at ``close``."""
+        self._live_valid = False
 
     def close(self) -> None:
-        """Release everything; committed full blocks stay cached. Idempotent."""
+        """Release everything; committed blocks stay cached. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        tick = self._mgr._next_tick()
         held = self.held_blocks()
         tail = self._store_tail()
         if tail is not None:
             held.append(tail)
+        tree = self._tree
         for pool, table in self._tables.items():
-            p = self._pools[pool]
-            refs, block_of = p.refs, p.block_of
             for page in table:
-                if page is None:
-                    continue
-                refs[page] -= 1
-                if not refs[page] and block_of[page] is None:
-                    p.give_back(page)  # private: nobody else can want it
+                if page is not None:
+                    tree.unref(pool, page, tick)
         if self._live_page is not None:
-            self._unref(self._mgr.layout.recurrent, self._live_page, keep_attached=True)
-        if self._partial_source is not None:
-            self._unref_attention_pages(self._partial_source)
-        self._tree.release_all(held, self._mgr._next_tick())
+            tree.unref(self._recurrent, self._live_page, tick)
+        self._unref_reused_state(tick)
+        tree.release_all(held, tick)
         self._mgr._forget(self)
 
     def __enter__(self) -> KVCache:
@@ -185,8 +193,11 @@ class KVCache:
             raise RuntimeError("this KVCache is closed")
 
     def _hold_reused(self) -> None:
-        """Hold the reused blocks and reference the pages this sequence will read."""
-        self._tree.hold_all(self._path)
+        """Hold the reused blocks and reference the pages this sequence will read: every
+        full-attention page, the window pages its end point needs (and the sinks'), the
+        partial source's pages and the snapshot it restores from."""
+        tree = self._tree
+        tree.hold_all(self._path)
         reused = self.num_reused_tokens
         for pool, table in self._tables.items():
             first, sinks = 0, 0
@@ -197,63 +208,64 @@ class KVCache:
             pages = [block.pages[pool] for block in self._path]
             for index in range(sinks, min(first, len(pages))):
                 pages[index] = None  # out of the window at the reuse point: not read
-            refs = self._pools[pool].refs
             for page in pages:
                 if page is not None:
-                    refs[page] += 1
+                    tree.ref(pool, page)
             table.extend(pages)
-        if self._partial_source is not None:
-            self._tree.hold(self._partial_source)
+        source = self._partial_source
+        if source is not None:
+            tree.hold(source)
             for pool in self._tables:
-                self._pools[pool].refs[self._partial_source.pages[pool]] += 1
+                tree.ref(pool, source.pages[pool])
+        restore = self._restore_from
+        if restore is not None:
+            tree.hold(restore)
+            tree.ref(self._recurrent, restore.pages[self._recurrent])
 
     def _take(self, pool: int) -> int:
         self._tree.evict_until_free(pool, 1)
         return self._pools[pool].take()
 
-    def _unref(self, pool: int, page: int, keep_attached: bool) -> None:
-        """Drop this cache's reference; a page nobody references is freed unless it is
-        attached to a tree block and ``keep_attached`` (then it stays cached)."""
-        p = self._pools[pool]
-        p.refs[page] -= 1
-        if p.refs[page]:
-            return
-        block = p.block_of[page]
-        if block is not None:
-            if keep_attached:
-                return
-            self._tree.detach(block, pool)
-        p.give_back(page)
-
-    def _unref_attention_pages(self, block: Block) -> None:
-        for pool in self._tables:
-            self._unref(pool, block.pages[pool], keep_attached=True)
-
     def _shrink(self, need_blocks: int) -> None:
+        tick = self._mgr._next_tick()
         for pool, table in self._tables.items():
             while len(table) > need_blocks:
-                self._unref(pool, table.pop(), keep_attached=False)
+                self._tree.unref(pool, table.pop(), tick)
         self._num_blocks = need_blocks
 
     def _copy_reused_state(self, new_live_page: bool) -> None:
         """First resize: copy the partial source and the recurrent snapshot into own pages
-        (a fresh live state starts at zero)."""
-        source = self._partial_source
+        (a fresh live state starts at zero), then let go of both."""
+        source, restore = self._partial_source, self._restore_from
         if source is not None:
             index = len(self._path)
             for pool, table in self._tables.items():
                 self._pools[pool].copy(source.pages[pool], table[index])
-            self._unref_attention_pages(source)
+        if new_live_page:
+            pool = self._pools[self._recurrent]
+            if restore is not None:
+                pool.copy(restore.pages[self._recurrent], self._live_page)
+            elif pool.storage is not None:
+                pool.storage[self._live_page].zero_()
+        if source is not None or restore is not None:
+            self._unref_reused_state(self._mgr._next_tick())
+
+    def _unref_reused_state(self, tick: int) -> None:
+        """Drop the references and holds on the partial source and the restore snapshot
+        (at the first resize, or at close if there was none)."""
+        tree, released = self._tree, []
+        source, restore = self._partial_source, self._restore_from
+        if source is not None:
+            for pool in self._tables:
+                tree.unref(pool, source.pages[pool], tick)
+            released.append(source)
             self._partial_source = None
-            self._tree.release(source, self._mgr._next_tick())
-        recurrent = self._mgr.layout.recurrent
-        if not new_live_page:
-            return
-        if self._restore_from is not None:
-            self._pools[recurrent].copy(self._restore_from.pages[recurrent], self._live_page)
+        if restore is not None:
+            tree.unref(self._recurrent, restore.pages[self._recurrent], tick)
+            released.append(restore)
             self._restore_from = None
-        elif self._pools[recurrent].storage is not None:
-            self._pools[recurrent].storage[self._live_page].zero_()
+        if released and not self._closed:
+            tree.release_all(released, tick)
 
     def _insert_block(self, index: int) -> None:
         parent = self._path[index - 1] if index else self._tree.root(self.scope)
@@ -262,12 +274,19 @@ class KVCache:
         if block is None:
             block = self._tree.insert(parent, key)
         self._tree.hold(block)
+        self._attach_missing(block, index)
+        self._path.append(block)
+
+    def _attach_missing(self, block: Block, index: int) -> None:
+        """Give ``block`` this cache's own page of block ``index`` in every attention pool
+        where it has none (elsewhere the cache's page stays private)."""
         for pool, table in self._tables.items():
             if block.pages[pool] is None and table[index] is not None:
                 self._tree.attach(block, pool, table[index])
-        self._path.append(block)
 
-    def _release_window_pages(self) -> None:
+    def _release_window_pages(self, tick: int) -> None:
+        """Blocks that left the window: this cache stops referencing their window pages
+        (a page on a block stays cached there; a private one is freed)."""
         committed = len(self._tokens)
         for pool, window, sinks in self._mgr.layout.windows:
             limit = max(0, (committed + 1 - window) // self._tpb)
@@ -276,37 +295,45 @@ class KVCache:
                 page = table[index]
                 if page is not None:
                     table[index] = None
-                    self._unref(pool, page, keep_attached=False)
+                    self._tree.unref(pool, page, tick)
             self._released_upto[pool] = max(self._released_upto[pool], limit)
 
-    def _keep_snapshot(self) -> None:
-        pool = self._mgr.layout.recurrent
+    def _keep_snapshot(self, tick: int) -> None:
+        pool = self._recurrent
         block = self._path[-1]
-        if block.pages[pool] is not None:
+        if block.pages[pool] is not None or not self._live_valid:
             return
         if self._pools[pool].num_free + self._tree.reclaimable[pool] == 0:
             return  # snapshots are best effort: no page, no end point here
         page = self._take(pool)
         self._pools[pool].copy(self._live_page, page)
-        self._pools[pool].refs[page] = 0
         self._tree.attach(block, pool, page)
+        self._tree.unref(pool, page, tick)  # nobody needs it: cached at once
 
     def _store_tail(self) -> Block | None:
-        """On close: keep the last partial block as a reusable leaf (docs/kvcache.md)."""
-        full, rest = divmod(len(self._tokens), self._tpb)
-        if not (rest and self._tables and self._mgr.config.enable_partial_reuse):
+        """On close (partial reuse on): keep the live state as a snapshot where the history
+        ends, and the last partial block as a reusable leaf (docs/kvcache.md)."""
+        if not self._mgr.config.enable_partial_reuse:
             return None
-        if self._num_blocks <= full or self._partial_source is not None:
+        full, rest = divmod(len(self._tokens), self._tpb)
+        snapshot = self._live_page is not None and self._live_valid
+        if not rest:
+            if snapshot and full and self._path[-1].pages[self._recurrent] is None:
+                self._tree.attach(self._path[-1], self._recurrent, self._live_page)
+            return None
+        if not self._tables or self._num_blocks <= full or self._partial_source is not None:
             return None  # never resized: the block's tokens live only in the source
         parent = self._path[-1] if self._path else self._tree.root(self.scope)
         key = self._tokens[full * self._tpb:].tobytes()
-        if parent.child_starting_with(key) is not None:
-            return None
-        block = self._tree.insert(parent, key)
-        self._tree.hold(block)
-        for pool, table in self._tables.items():
-            self._tree.attach(block, pool, table[full])
-        return block
-
+        block, stored = parent.children.get(key), None
+        if block is None:
+            if parent.child_starting_with(key) is not None and not snapshot:
+                return None  # a sibling already covers these tokens
+            block = stored = self._tree.insert(parent, key)
+            self._tree.hold(block)
+        self._attach_missing(block, full)  # the same partial block may lack some pages
+        if snapshot and block.pages[self._recurrent] is None:
+            self._tree.attach(block, self._recurrent, self._live_page)
+        return stored
 
 assert TOKEN_BYTES == array("I").itemsize, "array('I') must hold 4-byte token ids"

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .cache import KVCache
-from .config import CacheConfig, PageLayout, Recurrent, ReuseScope, SlidingWindow
+from .config import CacheConfig, FullAttention, PageLayout, Recurrent, ReuseScope, SlidingWindow
 from .match import Matcher, ReuseProbe
 from .pool import PagePool
 from .tokens import as_token_array
@@ -28,6 +28,7 @@ class PoolLayout:
     """Which pool index plays which role (derived from ``CacheConfig.life_cycles``)."""
 
     attention: tuple[int, ...]  # FullAttention and SlidingWindow pools
+    full: int | None  # the FullAttention pool
     windows: tuple[tuple[int, int, int], ...]  # (pool, window, sink blocks)
     recurrent: int | None
     names: tuple[str, ...]  # per pool, for statistics
@@ -37,6 +38,7 @@ class PoolLayout:
         lcs = config.life_cycles
         return cls(
             attention=tuple(i for i, lc in enumerate(lcs) if not isinstance(lc, Recurrent)),
+            full=next((i for i, lc in enumerate(lcs) if isinstance(lc, FullAttention)), None),
             windows=tuple(
                 (i, lc.window, config.sink_blocks(lc))
                 for i, lc in enumerate(lcs)
@@ -111,7 +113,8 @@ class KVCacheManager:
             PagePool(config.num_pages, layouts[i] if layouts else None)
             for i in range(len(config.life_cycles))
         ]
-        self._tree = BlockTree(self._pools)
+        self._tree = BlockTree(self._pools, self.layout.full, self.layout.recurrent,
+                               config.tokens_per_block)
         self._matcher = Matcher(config, self._tree, self.layout)
         self._open: dict[int, KVCache] = {}
         self._tick = 0

@@ -38,6 +38,7 @@ class Match:
     partial: Block | None  # block whose first partial_tokens tokens extend the match
     partial_tokens: int
     probe: ReuseProbe
+    restore: Block | None = None  # block carrying the recurrent snapshot at num_tokens
 
 
 class Matcher:
@@ -78,16 +79,18 @@ class Matcher:
         if self._partial and matched < len(tokens):
             parent = path[-1] if path else root
             partial, p = self._best_partial(parent, data[matched * TOKEN_BYTES:])
-        raw = matched + p
-        attention = self._prune(raw, path, partial, with_recurrent=False)
-        final = attention
-        if self._recurrent is not None:
-            final = self._prune(attention, path, partial, with_recurrent=True)
-        full = final // self._tpb
-        keep_partial = partial if final % self._tpb else None
-        return Match(
-            path[:full], keep_partial, final % self._tpb, ReuseProbe(final, attention)
-        )
+        ends = _Ends(path, partial, root, data)
+        attention = self._prune(matched + p, ends, with_recurrent=False)
+        if self._recurrent is None:
+            final, restore = attention, None
+        else:
+            final = self._prune(attention, ends, with_recurrent=True)
+            restore = self._snapshot_block(final, ends)
+        full, rest = divmod(final, self._tpb)
+        # Inside block `full` the match reads the block the walk used there: the next full
+        # block if the walk went on, else the partial extension.
+        source = (path[full] if full < len(path) else partial) if rest else None
+        return Match(path[:full], source, rest, ReuseProbe(final, attention), restore)
 
     # -- steps -----------------------------------------------------------------------
 
@@ -110,14 +113,13 @@ class Matcher:
     def _best_partial(self, parent: Block, rest: bytes) -> tuple[Block | None, int]:
         return parent.longest_common_child(rest[: self._tpb * TOKEN_BYTES], self._attention)
 
-    def _prune(self, length: int, path: list[Block], partial: Block | None,
-               with_recurrent: bool) -> int:
+    def _prune(self, length: int, ends: _Ends, with_recurrent: bool) -> int:
         while True:
             cut = length
             for pool, window, sinks in self._windows:
-                cut = self._window_cut(cut, path, partial, pool, window, sinks)
+                cut = self._window_cut(cut, ends.path, ends.partial, pool, window, sinks)
             if with_recurrent:
-                cut = self._snapshot_cut(cut, path)
+                cut = self._snapshot_cut(cut, ends)
             if cut == length:
                 return length
             length = cut
@@ -144,9 +146,43 @@ class Matcher:
             length = missing * tpb
         return 0
 
-    def _snapshot_cut(self, length: int, path: list[Block]) -> int:
-        pool = self._recurrent
-        for blocks in range(length // self._tpb, 0, -1):
-            if path[blocks - 1].pages[pool] is not None:
-                return blocks * self._tpb
+    def _snapshot_cut(self, length: int, ends: _Ends) -> int:
+        """The largest end point <= ``length`` that carries a recurrent snapshot: the end
+        of a matched full block, or the end of a partial block whose every token the
+        lookup matches (a child of a matched block, or of the root)."""
+        pool, tpb, path = self._recurrent, self._tpb, ends.path
+        depth, room = divmod(length, tpb)
+        while depth >= 0:
+            parent = path[depth - 1] if depth else ends.root
+            if room and parent.snapshot_lengths:
+                base = depth * tpb * TOKEN_BYTES
+                for n in sorted(parent.snapshot_lengths, reverse=True):
+                    if n <= room:
+                        child = parent.children.get(ends.data[base:base + n * TOKEN_BYTES])
+                        if child is not None and child.pages[pool] is not None:
+                            return depth * tpb + n
+            if depth and path[depth - 1].pages[pool] is not None:
+                return depth * tpb
+            depth, room = depth - 1, tpb - 1
         return 0
+
+    def _snapshot_block(self, length: int, ends: _Ends) -> Block | None:
+        """The block carrying the snapshot at ``length`` (an end ``_snapshot_cut`` found)."""
+        if length == 0:
+            return None
+        depth, rest = divmod(length, self._tpb)
+        if not rest:
+            return ends.path[depth - 1]
+        parent = ends.path[depth - 1] if depth else ends.root
+        start = depth * self._tpb * TOKEN_BYTES
+        return parent.children[ends.data[start:length * TOKEN_BYTES]]
+
+
+class _Ends(NamedTuple):
+    """What pruning looks at: the walked path, the partial extension, the scope's root and
+    the lookup's bytes."""
+
+    path: list[Block]
+    partial: Block | None
+    root: Block
+    data: bytes

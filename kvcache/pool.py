@@ -1,8 +1,9 @@
 """A pool of fixed-size pages for one life cycle.
 
 The pool knows which pages are free and how many open caches reference each page. Which
-tree block a page is attached to is the tree's business (``Block.pages``); the pool only
-keeps the back pointer so that statistics and self-checks can walk it.
+tree block a page is attached to is the tree's business (``Block.pages``); the pool keeps
+the back pointer, and the tick at which a window or snapshot page last became cached (the
+tree's eviction order checks its queued entries against it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class PagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self.refs: list[int] = [0] * num_pages
         self.block_of: list[Block | None] = [None] * num_pages
+        self.cached_at: list[int] = [0] * num_pages
         self.storage: torch.Tensor | None = None
         if layout is not None:
             import torch

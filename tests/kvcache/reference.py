@@ -13,8 +13,12 @@ Where a cache keeps a page for block ``j`` of pool ``i`` it records where that p
 - a block key: the page attached to that block (shared with every cache naming that key);
 - ``None``: no page (a sliding-window page that left the window, or was never held).
 
-Decisions where docs/kvcache.md leaves room are named in ``ReferenceChoices`` so a test
-can say which reading it holds the implementation to.
+A page on a block is *needed* (used) while: its block is held (full attention), a cache's
+entry names its block (sliding window), or a cache restores from it (recurrent snapshot);
+otherwise it is cached. Window and snapshot pages carry the tick of the event at which
+they last stopped being needed (their eviction order); every public call that changes
+anything is one event with its own tick.
+
 """
 
 from __future__ import annotations
@@ -31,29 +35,16 @@ PRIVATE = "private"
 Key = tuple  # (ReuseScope, tuple[int, ...])
 
 
-@dataclass(frozen=True)
-class ReferenceChoices:
-    """Readings of the spec where it could be read two ways."""
-
-    # An empty commit is a no-op. (Read literally, "a snapshot is kept at the end of each
-    # commit call that ends on a block boundary" would make an empty commit on a boundary
-    # whose block lacks a snapshot, because taking one failed earlier, try again.)
-    snapshot_on_empty_commit: bool = False
-    # At close, a cache that did its first resize but never committed past a partial
-    # reuse (committed still ends inside a block, own copy of it) stores that block.
-    store_partial_without_commit: bool = True
-    # When a pool needs a page, eviction walks the one global order (tick, -depth, seq)
-    # and stops once that pool has a free page, even if evicted blocks had no page there.
-    evict_in_global_order: bool = True
-    # clear_reusable_blocks() counts its evictions in stats().evicted_blocks.
-    count_clear_as_evictions: bool = True
-
-
 @dataclass
 class RefBlock:
     pages: set  # pool indices this block has a page in
     seq: int  # creation order
     tick: int | None = None  # last release tick
+    page_ticks: dict = None  # window / snapshot pool -> tick it last stopped being needed
+
+    def __post_init__(self):
+        if self.page_ticks is None:
+            self.page_ticks = {}
 
 
 @dataclass
@@ -66,7 +57,7 @@ class RefProbe:
 class RefMatch:
     raw: int
     full_blocks: int  # m: full blocks matched by the walk
-    source: Key | None  # partial source (None when there is none)
+    blocks: list  # the walk's full blocks, then the partial source if there is one
     num_tokens: int
     num_tokens_before_hybrid_pruning: int
 
@@ -77,6 +68,7 @@ class RefPoolStats:
     free_pages: int
     used_pages: int
     cached_pages: int
+    evicted_pages: int
 
 
 @dataclass
@@ -116,6 +108,8 @@ class RefCache:
         self.capacity = reused
         self.chain = list(chain)  # keys of the full committed blocks, in order
         self.source = source  # partial source, held until the first resize
+        self.restore = None  # block whose snapshot the first resize restores (held)
+        self.live_valid = True
         self.resized = False
         self.live = False  # holds a live recurrent page
         self.closed = False
@@ -126,9 +120,10 @@ class RefCache:
         return len(self.committed)
 
     def held_keys(self) -> set:
-        keys = set(self.chain)
-        if self.source is not None:
-            keys.add(self.source)
+        keys = list(self.chain)
+        for key in (self.source, self.restore):
+            if key is not None:
+                keys.append(key)
         return keys
 
     def resize(self, total: int) -> bool:
@@ -140,11 +135,13 @@ class RefCache:
     def close(self) -> None:
         self._mgr._close(self)
 
+    def invalidate_live_state(self) -> None:
+        self.live_valid = False
+
 
 class RefManager:
-    def __init__(self, config: CacheConfig, choices: ReferenceChoices = ReferenceChoices()):
+    def __init__(self, config: CacheConfig):
         self.config = config
-        self.choices = choices
         self.tpb = config.tokens_per_block
         self.num_pages = config.num_pages
         self.life_cycles = tuple(config.life_cycles)
@@ -153,6 +150,8 @@ class RefManager:
         ]
         rec = [i for i, lc in enumerate(self.life_cycles) if isinstance(lc, Recurrent)]
         self.rec_pool = rec[0] if rec else None
+        full = [i for i, lc in enumerate(self.life_cycles) if isinstance(lc, FullAttention)]
+        self.full_pool = full[0] if full else None
         self.blocks: dict = {}
         self.free = [self.num_pages] * len(self.life_cycles)
         self.open: list = []
@@ -163,6 +162,7 @@ class RefManager:
         self.hit_tokens = 0
         self.hit_tokens_before = 0
         self.evicted_blocks = 0
+        self.evicted_pages = [0] * len(self.life_cycles)
 
     # ----------------------------------------------------------------- tree by brute force
     def _parent_len(self, key) -> int:
@@ -185,7 +185,27 @@ class RefManager:
         ]
 
     def _holders(self, key) -> list:
-        return [c for c in self.open if key in c.held_keys()]
+        return [c for c in self.open for k in c.held_keys() if k == key]
+
+    def _needed(self, key, pool: int) -> bool:
+        if pool == self.full_pool:
+            return bool(self._holders(key))
+        if pool == self.rec_pool:
+            return any(c.restore == key for c in self.open)
+        return any(key in c.entries[pool] for c in self.open)
+
+    def _cached_pages(self) -> set:
+        return {(k, i) for k, b in self.blocks.items() for i in b.pages if not self._needed(k, i)}
+
+    def _stamp(self, tick: int, before: set) -> None:
+        """End of an event: window and snapshot pages that are cached now but were not
+        before it (they stopped being needed, or were attached unneeded) take its tick."""
+        for key, i in self._cached_pages() - before:
+            if i != self.full_pool:
+                self.blocks[key].page_ticks[i] = tick
+
+    def _event(self):
+        return self._next_tick(), self._cached_pages()
 
     def _is_full(self, key) -> bool:
         return len(key[1]) % self.tpb == 0
@@ -204,9 +224,8 @@ class RefManager:
         used = [0] * len(self.life_cycles)
         cached = [0] * len(self.life_cycles)
         for key, blk in self.blocks.items():
-            held = bool(self._holders(key))
             for i in blk.pages:
-                if held:
+                if self._needed(key, i):
                     used[i] += 1
                 else:
                     cached[i] += 1
@@ -227,7 +246,8 @@ class RefManager:
 
     def stats(self) -> RefStats:
         counts = self.pool_counts()
-        pools = tuple(RefPoolStats(self.num_pages, f, u, c) for f, u, c in counts)
+        pools = tuple(RefPoolStats(self.num_pages, f, u, c, e)
+                      for (f, u, c), e in zip(counts, self.evicted_pages))
         return RefStats(
             num_pages=self.num_pages * len(pools),
             free_pages=sum(p.free_pages for p in pools),
@@ -251,6 +271,8 @@ class RefManager:
             assert len(c.chain) == len(c.committed) // self.tpb
             if c.source is not None:
                 assert c.source in self.blocks
+            if c.restore is not None:
+                assert self.rec_pool in self.blocks[c.restore].pages
             for i, row in c.entries.items():
                 assert len(row) == math.ceil(c.capacity / self.tpb)
                 for e in row:
@@ -262,32 +284,50 @@ class RefManager:
             assert parent is None or parent in self.blocks, "orphan block"
             if not self._holders(key):
                 assert blk.tick is not None, "unheld block never released"
+            for i in blk.pages:
+                if i != self.full_pool and not self._needed(key, i):
+                    assert i in blk.page_ticks, "a cached page was never released"
 
     def _cached_in(self, pool: int) -> int:
-        return sum(1 for k, b in self.blocks.items() if pool in b.pages and not self._holders(k))
+        return sum(1 for k, b in self.blocks.items() if pool in b.pages
+                   and not self._needed(k, pool))
 
-    def _evict_one(self, pool: int | None = None) -> None:
-        cands = [k for k in self.blocks if not self._holders(k) and not self._children(k[0], k[1])]
-        if pool is not None and not self.choices.evict_in_global_order:
-            cands = [k for k in cands if pool in self.blocks[k].pages] or cands
+    def _evict_one(self, pool: int) -> None:
+        """Free one page of ``pool``: a whole unheld leaf block for full attention, else
+        the pool's own oldest cached page."""
+        if pool == self.full_pool:
+            cands = [k for k in self.blocks
+                     if not self._holders(k) and not self._children(k[0], k[1])]
+            assert cands, "reference: nothing to evict although a page was counted evictable"
+            key = min(cands,
+                      key=lambda k: (self.blocks[k].tick, -self._depth(k), self.blocks[k].seq))
+            self._remove(key)
+            return
+        cands = [k for k, b in self.blocks.items() if pool in b.pages
+                 and not self._needed(k, pool)]
         assert cands, "reference: nothing to evict although a page was counted evictable"
-        key = min(cands, key=lambda k: (self.blocks[k].tick, -self._depth(k), self.blocks[k].seq))
-        self._remove(key)
-        self.evicted_blocks += 1
+        key = min(cands, key=lambda k: (self.blocks[k].page_ticks[pool], -self._depth(k),
+                                        self.blocks[k].seq))
+        self.blocks[key].pages.discard(pool)
+        self.free[pool] += 1
+        self.evicted_pages[pool] += 1
+        self._prune_pageless(key)
 
     def _remove(self, key) -> None:
         blk = self.blocks.pop(key)
+        self.evicted_blocks += 1
         for i in blk.pages:
             self.free[i] += 1
+            self.evicted_pages[i] += 1
         self._prune_pageless(self._parent(key))
 
     def _prune_pageless(self, key) -> None:
-        """A block with no page and no child is removed at once (then its parent...)."""
+        """An unheld block with no page and no child is removed at once (then its parent...)."""
         while key is not None and key in self.blocks:
-            if self.blocks[key].pages or self._children(key[0], key[1]):
+            if self.blocks[key].pages or self._children(key[0], key[1]) or self._holders(key):
                 return
-            assert not self._holders(key), "reference: a held block lost every page"
             del self.blocks[key]
+            self.evicted_blocks += 1
             key = self._parent(key)
 
     def _take(self, pool: int) -> None:
@@ -312,12 +352,18 @@ class RefManager:
                 return False
         return True
 
-    def _block_ok_recurrent(self, blocks, m: int, x: int) -> bool:
+    def _block_ok_recurrent(self, blocks, m: int, x: int, scope, tokens) -> bool:
+        """x ends at a snapshot: the end of a matched full block carrying one, or the end
+        of a stored partial block (every token matched) carrying one."""
         if self.rec_pool is None or x == 0:
             return True
-        if x % self.tpb or x // self.tpb > m:
+        d, r = divmod(x, self.tpb)
+        if d > m:
             return False
-        return self.rec_pool in self.blocks[blocks[x // self.tpb - 1]].pages
+        if r == 0:
+            return self.rec_pool in self.blocks[blocks[d - 1]].pages
+        key = (scope, tuple(tokens[:x]))
+        return key in self.blocks and self.rec_pool in self.blocks[key].pages
 
     def _match(self, tokens, scope) -> RefMatch:
         tokens = tuple(tokens)
@@ -352,9 +398,10 @@ class RefManager:
         num = max(
             x
             for x in range(raw + 1)
-            if self._block_ok_attention(blocks, x) and self._block_ok_recurrent(blocks, m, x)
+            if self._block_ok_attention(blocks, x)
+            and self._block_ok_recurrent(blocks, m, x, scope, tokens)
         )
-        return RefMatch(raw, m, source, num, before)
+        return RefMatch(raw, m, blocks, num, before)
 
     # ----------------------------------------------------------------- public API
     def probe_reuse(self, tokens, scope=None) -> RefProbe:
@@ -370,9 +417,13 @@ class RefManager:
         self.query_tokens += len(tokens)
         self.hit_tokens += L
         self.hit_tokens_before += r.num_tokens_before_hybrid_pruning
-        chain = [(scope, tuple(tokens[: (j + 1) * tpb])) for j in range(L // tpb)]
-        source = r.source if L > r.full_blocks * tpb else None
+        d, rest = divmod(L, tpb)
+        chain = [(scope, tuple(tokens[: (j + 1) * tpb])) for j in range(d)]
+        # Inside block d the cache copies the block the match used there.
+        source = r.blocks[d] if rest else None
         c = RefCache(self, scope, tokens[:L], L, r.num_tokens_before_hybrid_pruning, chain, source)
+        if self.rec_pool is not None and L:
+            c.restore = chain[-1] if not rest else (scope, tuple(tokens[:L]))
         row_keys = chain + ([source] if source is not None else [])
         assert len(row_keys) == math.ceil(L / tpb)
         for i in self.attention_pools:
@@ -404,6 +455,7 @@ class RefManager:
         for i, k in enumerate(need):
             if k > self.free[i] + self._cached_in(i):
                 return False
+        tick, before = self._event()
         for i, k in enumerate(need):
             for _ in range(k):
                 self._take(i)
@@ -414,17 +466,22 @@ class RefManager:
                 self.free[i] += 1
             del row[new_blocks:]
             row.extend([PRIVATE] * (new_blocks - len(row)))
-        if first and c.source is not None:
-            m = len(c.committed) // tpb
-            for i in self.attention_pools:
-                c.entries[i][m] = PRIVATE  # own copy of the partial block
-            released = c.source
-            c.source = None
-            self.blocks[released].tick = self._next_tick()
+        if first:
+            released = [k for k in (c.source, c.restore) if k is not None]
+            if c.source is not None:
+                m = len(c.committed) // tpb
+                for i in self.attention_pools:
+                    c.entries[i][m] = PRIVATE  # own copy of the partial block
+            c.source = c.restore = None
+            for key in released:
+                self.blocks[key].tick = tick
+            for key in released:
+                self._prune_pageless(key)
         if first and self.rec_pool is not None:
             c.live = True
         c.capacity = total
         c.resized = True
+        self._stamp(tick, before)
         return True
 
     def _commit(self, c: RefCache, new) -> None:
@@ -432,23 +489,17 @@ class RefManager:
         tpb = self.tpb
         if len(c.committed) + len(new) > c.capacity:
             raise ValueError("commit beyond capacity")
+        if not new:
+            return
+        tick, before = self._event()
         old_h = len(c.committed)
         c.committed.extend(new)
         h = len(c.committed)
         for j in range(old_h // tpb, h // tpb):
             key = (c.scope, tuple(c.committed[: (j + 1) * tpb]))
-            if key in self.blocks:
-                blk = self.blocks[key]
-                for i in self.attention_pools:
-                    assert c.entries[i][j] == PRIVATE
-                    if i not in blk.pages:
-                        blk.pages.add(i)
-                        c.entries[i][j] = key
-            else:
-                for i in self.attention_pools:
-                    assert c.entries[i][j] == PRIVATE
-                    c.entries[i][j] = key
-                self.blocks[key] = RefBlock(set(self.attention_pools), self._next_seq())
+            if key not in self.blocks:
+                self.blocks[key] = RefBlock(set(), self._next_seq())
+            self._attach_own(c, key, j)
             c.chain.append(key)
         for i in self.attention_pools:
             lc = self.life_cycles[i]
@@ -457,72 +508,78 @@ class RefManager:
             first = max(0, (h + 1 - lc.window) // tpb)
             sink = math.ceil(lc.sink_tokens / tpb)
             for j in range(sink, first):
-                self._drop_window_page(c, i, j)
-        if (
-            self.rec_pool is not None
-            and h > 0
-            and h % tpb == 0
-            and (new or self.choices.snapshot_on_empty_commit)
-        ):
+                if c.entries[i][j] == PRIVATE:
+                    self.free[i] += 1  # a private page that left the window is freed
+                c.entries[i][j] = None  # one on a block stays there, cached if unneeded
+        if self.rec_pool is not None and h % tpb == 0 and c.live_valid:
             blk = self.blocks[c.chain[h // tpb - 1]]
             pool = self.rec_pool
             if pool not in blk.pages and self.free[pool] + self._cached_in(pool) > 0:
                 self._take(pool)
                 blk.pages.add(pool)
+        self._stamp(tick, before)
 
-    def _drop_window_page(self, c: RefCache, i: int, j: int) -> None:
-        e = c.entries[i][j]
-        c.entries[i][j] = None
-        if e is None:
-            return
-        if e == PRIVATE:
-            self.free[i] += 1
-            return
-        if any(j < len(o.entries[i]) and o.entries[i][j] == e for o in self.open if o is not c):
-            return
-        self.blocks[e].pages.discard(i)
-        self.free[i] += 1
-        self._prune_pageless(e)
+    def _attach_own(self, c: RefCache, key, j: int) -> None:
+        """The cache's own page of block j goes to ``key`` in every pool it lacks."""
+        blk = self.blocks[key]
+        for i in self.attention_pools:
+            if i not in blk.pages and c.entries[i][j] == PRIVATE:
+                blk.pages.add(i)
+                c.entries[i][j] = key
 
     def _close(self, c: RefCache) -> None:
         if c.closed:
             return
+        tick, before = self._event()
         tpb = self.tpb
         h = len(c.committed)
+        full, rest = divmod(h, tpb)
+        snapshot = c.live and c.live_valid
+        live_kept = False
         stored = None
-        committed_past_reuse = h > c.num_reused_tokens
-        if (
-            self.config.enable_partial_reuse
-            and h % tpb
-            and c.source is None  # so the cache has its own copy of the partial block
-            and (committed_past_reuse or self.choices.store_partial_without_commit)
-        ):
-            m = h // tpb
-            prefix = tuple(c.committed[: m * tpb])
-            part = tuple(c.committed[m * tpb : h])
-            if not any(k[1][m * tpb : h] == part for k in self._children(c.scope, prefix)):
-                stored = (c.scope, tuple(c.committed))
-                for i in self.attention_pools:
-                    assert c.entries[i][m] == PRIVATE
-                    c.entries[i][m] = stored
-                self.blocks[stored] = RefBlock(set(self.attention_pools), self._next_seq())
-        tick = self._next_tick()
-        for key in c.held_keys() | ({stored} if stored else set()):
+        if self.config.enable_partial_reuse and rest == 0 and snapshot and full:
+            blk = self.blocks[c.chain[-1]]
+            if self.rec_pool not in blk.pages:
+                blk.pages.add(self.rec_pool)
+                live_kept = True
+        elif self.config.enable_partial_reuse and rest and self.attention_pools \
+                and c.source is None:
+            prefix = tuple(c.committed[: full * tpb])
+            part = tuple(c.committed[full * tpb:])
+            key = (c.scope, tuple(c.committed))
+            siblings = [k for k in self._children(c.scope, prefix)
+                        if k[1][full * tpb: h] == part]
+            if key in self.blocks or not siblings or snapshot:
+                if key not in self.blocks:
+                    self.blocks[key] = RefBlock(set(), self._next_seq())
+                    stored = key
+                self._attach_own(c, key, full)
+                if snapshot and self.rec_pool not in self.blocks[key].pages:
+                    self.blocks[key].pages.add(self.rec_pool)
+                    live_kept = True
+        for key in c.held_keys() + ([stored] if stored else []):
             self.blocks[key].tick = tick
         for i, row in c.entries.items():
             self.free[i] += sum(1 for e in row if e == PRIVATE)
-        if c.live:
+        if c.live and not live_kept:
             self.free[self.rec_pool] += 1
-            c.live = False
+        c.live = False
         self.open.remove(c)
         c.closed = True
         c.entries = {i: [] for i in self.attention_pools}
+        released = c.held_keys() + ([stored] if stored else [])
+        c.source = c.restore = None
+        c.chain = []
+        for key in released:
+            self._prune_pageless(key)
+        self._stamp(tick, before)
 
     def clear_reusable_blocks(self) -> None:
         if self.open:
             raise RuntimeError("caches are open")
-        while self.blocks:
-            before = self.evicted_blocks
-            self._evict_one()
-            if not self.choices.count_clear_as_evictions:
-                self.evicted_blocks = before
+        for blk in self.blocks.values():
+            for i in blk.pages:
+                self.free[i] += 1
+                self.evicted_pages[i] += 1
+        self.evicted_blocks += len(self.blocks)
+        self.blocks.clear()

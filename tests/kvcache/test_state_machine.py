@@ -35,7 +35,7 @@ from kvcache import (
     ReuseScope,
     SlidingWindow,
 )
-from tests.kvcache.reference import PRIVATE, ReferenceChoices, RefManager
+from tests.kvcache.reference import PRIVATE, RefManager
 
 # None and ReuseScope() are one scope; salt "a" is the other.
 SCOPES = (None, ReuseScope(), ReuseScope(salt="a"))
@@ -49,6 +49,9 @@ CONFIGS = {
     "window6sink2": (SlidingWindow(window=6, sink_tokens=2),),
     "full+recurrent": (FullAttention(), Recurrent()),
     "full+window4+recurrent": (FullAttention(), SlidingWindow(window=4), Recurrent()),
+    "window5+recurrent": (SlidingWindow(window=5), Recurrent()),
+    "full+window3+window8sink3": (FullAttention(), SlidingWindow(window=3),
+                                  SlidingWindow(window=8, sink_tokens=3)),
 }
 
 # Shrinking a failure of this machine can take minutes, so CI reports the failing
@@ -81,7 +84,6 @@ class Pair:
 class KVCacheMachine(RuleBasedStateMachine):
     LIFE_CYCLES: tuple = (FullAttention(),)
     PARTIAL: bool = True
-    CHOICES: ReferenceChoices = ReferenceChoices()
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,7 +102,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         )
         self.tpb = tpb
         self.mgr = KVCacheManager(self.cfg)
-        self.ref = RefManager(self.cfg, self.CHOICES)
+        self.ref = RefManager(self.cfg)
         self.attention = [
             i for i, lc in enumerate(self.LIFE_CYCLES) if not isinstance(lc, Recurrent)
         ]
@@ -148,7 +150,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             | st.integers(0, len(target)),
             label="prompt length",
         )
-        tokens = target[:n]
+        return self._create_for(target[:n], target, scope)
+
+    def _create_for(self, tokens, target, scope) -> Pair:
         probe = self._probe_both(tokens, scope)
         real = self.mgr.create_kv_cache(tokens, scope=scope)
         ref = self.ref.create_kv_cache(tokens, scope=scope)
@@ -221,6 +225,50 @@ class KVCacheMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 3), label="leave open?") > 0:
             pair.real.close()
             pair.ref.close()
+
+    @precondition(lambda self: self.mgr is not None and len(self.open_pairs()) < 3)
+    @rule(data=st.data())
+    def conversation_turn(self, data) -> None:
+        """One turn of a chat as a replica serves it: the prompt is a known history plus a
+        new message; the cache is made for prompt[:-1], the prompt's uncached tokens are
+        committed (in one or two chunks), then each decoded token one at a time (the last
+        sampled token is never committed), then the cache closes. The next turn's prompt
+        extends what this one saw."""
+        if self.targets and data.draw(st.integers(0, 3), label="continue a chat?") > 0:
+            history, scope = data.draw(st.sampled_from(self.targets), label="history")
+        else:
+            history, scope = [], data.draw(st.sampled_from(SCOPES), label="scope")
+        message = data.draw(st.lists(VOCAB, min_size=1, max_size=self.tpb + 1), label="message")
+        prompt = (history + message)[:MAX_TARGET]
+        if len(prompt) < 2:
+            return
+        pair = self._create_for(prompt[:-1], prompt, scope)
+        decode = data.draw(st.integers(1, self.tpb + 2), label="decoded tokens")
+        answer = data.draw(st.lists(VOCAB, min_size=decode, max_size=decode), label="answer")
+        steps = [prompt[pair.ref.num_committed_tokens:]] + [[t] for t in answer[:-1]]
+        for chunk in steps:
+            total = pair.ref.num_committed_tokens + len(chunk)
+            if total > MAX_TARGET:
+                break
+            got = pair.real.resize(total)
+            assert got is pair.ref.resize(total), f"resize({total})"
+            if not got:
+                break
+            pair.real.commit(chunk)
+            pair.ref.commit(chunk)
+            self.agree()
+        history = pair.ref.committed + answer[-1:]
+        pair.real.close()
+        pair.ref.close()
+        self._remember(history[:MAX_TARGET], scope)
+
+    @precondition(lambda self: self.mgr is not None and self.open_pairs() and self.recurrent)
+    @rule(data=st.data())
+    def engine_failure(self, data) -> None:
+        """An engine step failed midway: the live state no longer matches the commits."""
+        pair = data.draw(st.sampled_from(self.open_pairs()), label="cache")
+        pair.real.invalidate_live_state()
+        pair.ref.invalidate_live_state()
 
     @rule(data=st.data())
     def probe(self, data) -> None:
