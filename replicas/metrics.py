@@ -2,6 +2,10 @@
 
 Counters that the KV-cache manager already keeps (prefix cache queries and hits, pages,
 evictions) are read from it at scrape time by a collector, so they cannot drift.
+``replica_kv_cache_pages`` and ``replica_kv_evicted_blocks`` are totals over the manager's
+pools; ``replica_kv_cache_pool_*`` give the same per pool (one per life cycle: a hybrid
+model has a full-attention, a sliding-window and a recurrent pool), labelled ``pool`` (its
+index) and ``life_cycle`` (``full_attention``, ``sliding_window(W)``, ``recurrent``).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class _StateCollector:
                              ("cached", s.cached_pages)):
             pages.add_metric([self.model, state], value)
         yield pages
+        yield from _pool_families(self.model, s.pools)
         yield counter("replica_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                       "cache.", s.query_tokens)
         yield counter("replica_prefix_cache_hits", "Prompt tokens reused from the prefix "
@@ -99,3 +104,19 @@ class _StateCollector:
         yield counter("replica_kv_evicted_blocks", "Cached blocks evicted.", s.evicted_blocks)
         yield counter("replica_num_preemptions", "Sequences preempted for KV pages.",
                       self.scheduler.preemptions)
+
+
+def _pool_families(model: str, pools):
+    """Per-pool pages by state (gauge) and evicted pages (counter), one series per pool."""
+    labels = ["model_name", "pool", "life_cycle"]
+    pages = GaugeMetricFamily("replica_kv_cache_pool_pages", "KV pages of one pool (one "
+                              "life cycle) by state.", labels=labels + ["state"])
+    evicted = CounterMetricFamily("replica_kv_cache_pool_evicted_pages", "Cached pages of "
+                                  "one pool freed to make room.", labels=labels)
+    for i, p in enumerate(pools):
+        values = [model, str(i), p.life_cycle]
+        for state, n in (("free", p.free_pages), ("used", p.used_pages),
+                         ("cached", p.cached_pages)):
+            pages.add_metric(values + [state], n)
+        evicted.add_metric(values, p.evicted_pages)
+    return pages, evicted

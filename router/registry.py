@@ -16,6 +16,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from replicas.schemas import PoolStatsOut
+
 from .policies import LoadInfo
 
 
@@ -58,6 +60,8 @@ class Replica:
     unqueued_tokens: int = 0  # routed here, response headers not back yet
     load: LoadInfo | None = None
     load_at: float = 0.0
+    kv_pools: tuple[PoolStatsOut, ...] | None = None  # router.pools; None: not known
+    kv_pools_at: float = 0.0
     stats: ReplicaStats = field(default_factory=ReplicaStats)
 
     def eligible(self, now: float, open_seconds: float) -> bool:

@@ -19,6 +19,7 @@ from replicas.errors import APIError
 from replicas.tokenizer import ByteTokenizer
 
 from .policies import Candidate, Decision, LoadInfo, make_policy
+from .pools import PoolWatcher
 from .proxy import Attempt, Retryable, UpstreamRefused, describe
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
@@ -87,6 +88,9 @@ class RouterService:
         self._health_task: asyncio.Task | None = None
         self._discover_task: asyncio.Task | None = None
         self._discovered: set[str] = set()
+        # replicas' KV pools for /stats, off the request path (our replicas only)
+        self.pools = (PoolWatcher(self.registry, self.upstream, settings)
+                      if settings.backend == "ours" else None)
 
     # -- life --------------------------------------------------------------------------
 
@@ -95,6 +99,8 @@ class RouterService:
             self.registry.add(url)
         await asyncio.gather(*(self.check(r) for r in self.registry.replicas.values()))
         self._health_task = asyncio.create_task(self._health_loop(), name="health")
+        if self.pools is not None:
+            self.pools.start()
         if self.settings.discover_dns:
             await self.discover_once()
             self._discover_task = asyncio.create_task(self._discover_loop(), name="discover")
@@ -103,6 +109,8 @@ class RouterService:
         for task in (self._health_task, self._discover_task):
             if task is not None:
                 task.cancel()
+        if self.pools is not None:
+            self.pools.stop()
         await self.upstream.close()
 
     async def add_replica(self, url: str) -> Replica:

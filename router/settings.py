@@ -35,6 +35,9 @@ class RouterSettings(BaseSettings):
     # health and circuit breaking
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)
+    # each healthy replica's KV pools (its GET /stats) for /stats and the dashboard, fetched
+    # this often off the request path; our back end only
+    kv_pools_interval_s: float = Field(default=2.0, gt=0)
     failure_threshold: int = Field(default=3, ge=1)  # consecutive failures that open the circuit
     open_seconds: float = Field(default=5.0, gt=0)  # then one trial request (half-open)
     # forwarding

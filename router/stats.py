@@ -1,4 +1,5 @@
-"""``/stats``: per-replica reuse, latency, health and load, and the latest decisions.
+"""``/stats``: per-replica reuse, latency, health, load and KV pools, and the latest
+decisions.
 
 The pydantic models at the end are the declared response schema (OpenAPI)."""
 
@@ -10,6 +11,8 @@ import time
 from typing import Optional
 
 from pydantic import BaseModel
+
+from replicas.schemas import PoolStatsOut
 
 from .policies import LoadInfo
 
@@ -37,6 +40,10 @@ def replica_view(rep) -> dict:
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "load": load,
         "load_age_s": (time.monotonic() - rep.load_at) if rep.load is not None else None,
+        "kv_pools": ([p.model_dump() for p in rep.kv_pools]
+                     if rep.kv_pools is not None else None),
+        "kv_pools_age_s": ((time.monotonic() - rep.kv_pools_at)
+                           if rep.kv_pools is not None else None),
     }
 
 
@@ -94,6 +101,10 @@ class ReplicaView(BaseModel):
     ttft_mean_s: Optional[float]
     load: Optional[LoadInfo]  # as the replica last reported it
     load_age_s: Optional[float]
+    # the replica's KV pools (one per life cycle), from its GET /stats every
+    # kv_pools_interval_s; None for --backend openai and until first fetched
+    kv_pools: Optional[list[PoolStatsOut]]
+    kv_pools_age_s: Optional[float]
 
 
 class CandidateView(BaseModel):

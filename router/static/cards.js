@@ -1,4 +1,5 @@
-// One card per replica: health, traffic, reuse, hybrid pruning, KV pages, load, latency.
+// One card per replica: health, traffic, reuse, hybrid pruning, KV pages (in all and per
+// pool), load, latency.
 
 import { stackedBar } from "./charts.js";
 import { swatch } from "./colors.js";
@@ -11,6 +12,51 @@ export function pagesOf(load) {
   const cached = load.cached_pages || 0;
   return { used: Math.max(0, load.total_pages - load.free_pages - cached), cached,
            free: load.free_pages, total: load.total_pages };
+}
+
+// The columns of the per-pool table: a field of /stats' kv_pools entries, its heading.
+const POOL_COLUMNS = [["cached_pages", "cached", "cached"], ["used_pages", "used", "used"],
+                      ["free_pages", "free", "free"], ["evicted_pages", "evicted", null]];
+
+function poolTable() {
+  const heading = ([, label, cls]) =>
+    el("th", { scope: "col" }, cls ? el("span", { class: "key " + cls }) : null, label);
+  const body = el("tbody");
+  const box = el("div", { class: "poolbox", hidden: true },
+    el("div", { class: "label" }, "KV pages per pool"),
+    el("table", { class: "pools" },
+      el("thead", {}, el("tr", {}, el("th", { scope: "col" }, "life cycle"),
+                         POOL_COLUMNS.map(heading))),
+      body));
+  return { box, body, key: null, rows: [] };
+}
+
+function poolRow(index) {
+  const f = {};
+  const cell = (name, cls) => el("td", { class: cls },
+                                 (f[name] = el("span", { class: "v", "data-field": name })));
+  const root = el("tr", { "data-pool": index }, cell("life_cycle", "lc"),
+                  POOL_COLUMNS.map(([name]) => cell(name, "num")));
+  return { root, f };
+}
+
+/** One row per pool (life cycle), as the router last fetched them; hidden when unknown
+ * (--backend openai, or not fetched yet). Rows are rebuilt only when the pools change. */
+function renderPools(table, pools) {
+  const list = pools || [];
+  table.box.hidden = pools == null;
+  const key = list.map((p) => p.life_cycle).join("\n");
+  if (table.key !== key) {
+    table.key = key;
+    table.rows = list.map((_, i) => poolRow(i));
+    table.body.replaceChildren(...table.rows.map((r) => r.root));
+  }
+  list.forEach((p, i) => {
+    const row = table.rows[i];
+    row.root.title = `${fmtInt(p.num_pages)} pages`;
+    setValue(row.f.life_cycle, p.life_cycle, p.life_cycle);
+    for (const [name] of POOL_COLUMNS) setValue(row.f[name], p[name], fmtInt(p[name]));
+  });
 }
 
 /** The card's DOM, built once per replica; renderCard fills it on every poll. */
@@ -29,6 +75,7 @@ export function makeCard(url) {
                               { key: "pruned", cls: "pruned", label: "lost to hybrid pruning" }]);
   const pages = stackedBar([{ key: "used", cls: "used" }, { key: "cached", cls: "cached" },
                             { key: "free", cls: "free" }]);
+  const pools = poolTable();
   const root = el("article", { class: "card", "data-replica": url },
     el("header", {},
       el("div", { class: "title" }, swatch(url),
@@ -60,11 +107,12 @@ export function makeCard(url) {
     el("div", { class: "sub legendline" },
       key("used"), "used ", F("pages_used"), " ", key("cached"), "cached ", F("pages_cached"),
       " ", key("free"), "free ", F("pages_free"), " of ", F("total_pages")),
+    pools.box,
     el("div", { class: "load" },
       kpi("Running", "running", "mid"), kpi("Waiting", "waiting", "mid"),
       kpi("In flight", "in_flight", "mid"),
       kpi("Queued prefill", "queued_prefill_tokens", "mid")));
-  return { root, f, spark, tokens, pruning, pages };
+  return { root, f, spark, tokens, pruning, pages, pools };
 }
 
 export function renderCard(card, r, totalRequests, recent) {
@@ -109,6 +157,7 @@ export function renderCard(card, r, totalRequests, recent) {
   set("pages_free", p.free, fmtInt(p.free));
   set("total_pages", p.total, fmtInt(p.total));
   card.pages.update({ used: p.used, cached: p.cached, free: p.free });
+  renderPools(card.pools, r.kv_pools);
   set("running", load.running, fmtInt(load.running));
   set("waiting", load.waiting, fmtInt(load.waiting));
   set("queued_prefill_tokens", load.queued_prefill_tokens, fmtInt(load.queued_prefill_tokens));

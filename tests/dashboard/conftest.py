@@ -1,4 +1,5 @@
-"""A live cluster for the dashboard tests: sim replicas and a router as real processes.
+"""A live cluster for the dashboard tests: sim replicas, a hybrid torch replica (three KV
+pools) and a router as real processes.
 
 The router is also given one replica URL that nothing answers and whose text is HTML, so the
 page must show an unhealthy replica and must show its name as text, never as markup.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -24,14 +26,32 @@ FAMILIES = (
 )
 
 
+HYBRID_MODEL = "torch-byte-lm"
+
+
 @dataclass
 class Live:
     router: Proc
-    replicas: list[Proc]
+    replicas: list[Proc]  # sim replicas (model sim-byte-lm)
+    hybrid: Proc  # the torch tiny-hybrid replica (model torch-byte-lm)
     bogus: str  # a replica URL nothing answers; its path is HTML
 
     def stats(self) -> dict:
         return httpx.get(self.router.url + "/stats", timeout=10).json()
+
+    def settled(self, timeout: float = 30.0) -> dict:
+        """The router's /stats once it shows every live replica's current KV pools (idle
+        replicas' pools stop changing; the router fetches them every 0.2 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            own = {r.url: httpx.get(r.url + "/stats", timeout=10).json()["kv_cache"]["pools"]
+                   for r in (*self.replicas, self.hybrid)}
+            stats = self.stats()
+            shown = {r["url"]: r["kv_pools"] for r in stats["replicas"] if r["url"] in own}
+            if shown == own:
+                return stats
+            assert time.monotonic() < deadline, f"router shows pools {shown}, not {own}"
+            time.sleep(0.05)
 
     def traffic(self, n: int, start: int = 0, workers: int = 6) -> list[str]:
         """Send ``n`` completions (prompt families in turn); returns the x-replica of each."""
@@ -55,10 +75,13 @@ def live():
             replicas.append(Proc("replicas", "--engine", "sim", "--log-level", "warning",
                                  "--tokens-per-block", "16", "--kv-pages", "96",
                                  "--sim-speedup", "20"))
+        hybrid = Proc("replicas", "--engine", "torch", "--preset", "tiny-hybrid",
+                      "--log-level", "warning", "--tokens-per-block", "16", "--kv-pages", "48")
+        replicas.append(hybrid)  # stopped with the others
         urls = [r.url for r in replicas] + [bogus]
         router = Proc("router", "--replicas", ",".join(urls), "--tokens-per-block", "16",
-                      "--seed", "7", "--log-level", "warning")
-        yield Live(router, replicas, bogus)
+                      "--seed", "7", "--kv-pools-interval-s", "0.2", "--log-level", "warning")
+        yield Live(router, replicas[:-1], hybrid, bogus)
     finally:
         with contextlib.suppress(Exception):
             if router is not None:

@@ -1,8 +1,9 @@
-"""GET /dashboard in a real headless Chromium, against live sim replicas and a router.
+"""GET /dashboard in a real headless Chromium, against live replicas and a router.
 
 The page must show what /stats reports (integer counts exactly, rates within the rounding
-of their display), change as traffic arrives without a reload, list the latest decisions
-with every candidate and the reason, and show replica names as text, never as markup.
+of their display; each replica's KV pools in a table of its own), change as traffic arrives
+without a reload, list the latest decisions with every candidate and the reason, and show
+replica names as text, never as markup.
 A missing browser is a failure, not a skip: .ci/run installs Debian's chromium.
 """
 
@@ -17,6 +18,8 @@ import httpx
 import pytest
 from playwright.sync_api import sync_playwright
 
+from .conftest import HYBRID_MODEL
+
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "artifacts" / "dashboard.png"
 STATIC = ROOT / "router" / "static"
 SHOWN_DECISIONS = 10  # DECISIONS_SHOWN in router/static/decisions.js
+POOL_COLUMNS = ("cached_pages", "used_pages", "free_pages", "evicted_pages")
 
 # Everything the page shows, read in one go: {value: data-value, text: textContent}.
 SNAPSHOT_JS = """() => {
@@ -47,6 +51,9 @@ SNAPSHOT_JS = """() => {
       replica: c.dataset.replica,
       title: c.querySelector('.url').getAttribute('title'),
       sparkPoints: Number(c.querySelector('svg.spark').dataset.points || 0),
+      poolsShown: !c.querySelector('.poolbox').hidden,
+      pools: [...c.querySelectorAll('table.pools tbody tr')].map((r) => ({
+        title: r.title, fields: fields(r)})),
       fields: fields(c)})),
     legend: [...document.querySelectorAll('#share-legend [data-replica]')].map((l) => ({
       replica: l.dataset.replica, fields: fields(l)})),
@@ -137,6 +144,29 @@ def short(url: str) -> str:
     return re.sub(r"^https?://", "", url)
 
 
+def pools_shown(card: dict) -> list[dict] | None:
+    """A card's per-pool table as /stats' kv_pools entries (None: the table is hidden)."""
+    if not card["poolsShown"]:
+        assert card["pools"] == [], card["replica"]
+        return None
+    rows = []
+    for row in card["pools"]:
+        f = row["fields"]
+        assert f["life_cycle"]["text"] == f["life_cycle"]["value"]
+        num_pages = int(row["title"].split()[0].replace(",", ""))
+        rows.append({"life_cycle": f["life_cycle"]["text"], "num_pages": num_pages,
+                     **{name: as_int(f[name]) for name in POOL_COLUMNS}})
+    return rows
+
+
+def shows(snap: dict, stats: dict) -> bool:
+    """The page shows this /stats' request count and every replica's KV pools."""
+    return (snap["totals"]["requests"]["value"] == str(stats["totals"]["requests"])
+            and [c["replica"] for c in snap["cards"]] == [r["url"] for r in stats["replicas"]]
+            and all(pools_shown(c) == r["kv_pools"]
+                    for c, r in zip(snap["cards"], stats["replicas"])))
+
+
 # -- what the page must agree with ---------------------------------------------------------
 
 def assert_agrees(snap: dict, stats: dict) -> None:
@@ -187,6 +217,7 @@ def assert_card(card: dict, r: dict, total_requests: int) -> None:
     as_rate(f["share"], r["requests"] / total_requests if total_requests else 0.0)
     as_seconds(f["ttft_p50_s"], r["ttft_p50_s"])
     as_seconds(f["ttft_p99_s"], r["ttft_p99_s"])
+    assert pools_shown(card) == r["kv_pools"], r["url"]  # every pool, every figure, in order
     load = r["load"]
     if load is None:
         for name in ("pages_used", "pages_cached", "pages_free", "running", "waiting"):
@@ -227,21 +258,33 @@ def test_dashboard_follows_live_traffic(live, browser):
     try:
         page.goto(live.router.url + "/dashboard?interval=250")
         page.evaluate("() => { window.__sameDocument = 42; }")
-        before = live.stats()
-        snap = wait_for(page, lambda s: s["polls"] >= 2 and s["totals"]["requests"]["value"]
-                        == str(before["totals"]["requests"]), "the first polls")
+        before = live.settled()
+        snap = wait_for(page, lambda s: s["polls"] >= 2 and shows(s, before), "the first polls")
         assert snap["status"] == "live"
         assert_agrees(snap, live.stats())
 
-        # Wave 1: shared prefixes, so repeats hit; the page follows without a reload.
+        # Wave 1: shared prefixes, so repeats hit; the page follows without a reload. Two
+        # requests to the hybrid replica fill its three pools.
         sent = live.traffic(24)
-        stats = live.stats()
-        assert stats["totals"]["requests"] == before["totals"]["requests"] + 24
+        for i in range(2):
+            r = httpx.post(live.router.url + "/v1/completions", timeout=60, json={
+                "model": HYBRID_MODEL, "max_tokens": 4,
+                "prompt": "A hybrid model keeps three pools of KV pages. " * 3 + f"Q{i}?"})
+            assert r.status_code == 200 and r.headers["x-replica"] == live.hybrid.url, r.text
+        stats = live.settled()
+        assert stats["totals"]["requests"] == before["totals"]["requests"] + 26
         assert stats["totals"]["hit_rate"] > 0
-        snap = wait_for(page, lambda s: s["totals"]["requests"]["value"]
-                        == str(stats["totals"]["requests"]), "wave 1 on the page")
+        snap = wait_for(page, lambda s: shows(s, stats), "wave 1 on the page")
         assert_agrees(snap, live.stats())
-        assert as_int(snap["totals"]["requests"]) == before["totals"]["requests"] + 24
+        assert as_int(snap["totals"]["requests"]) == before["totals"]["requests"] + 26
+        hybrid = next(c for c in snap["cards"] if c["replica"] == live.hybrid.url)
+        pools = pools_shown(hybrid)
+        assert [p["life_cycle"] for p in pools] == [
+            "full_attention", "sliding_window(24)", "recurrent"]
+        assert pools[0]["cached_pages"] > 0 and all(p["num_pages"] == 48 for p in pools)
+        for card in snap["cards"]:
+            if card["replica"] in {r.url for r in live.replicas}:
+                assert [p["life_cycle"] for p in pools_shown(card)] == ["full_attention"]
         first_decision = snap["decisions"][0]["request_id"]
         assert snap["decisions"][0]["head"]["reason"]["text"]  # a reason is shown
 
@@ -249,9 +292,8 @@ def test_dashboard_follows_live_traffic(live, browser):
         for burst in range(4):
             time.sleep(0.5)
             sent += live.traffic(6, start=24 + 6 * burst)
-        stats = live.stats()
-        snap = wait_for(page, lambda s: s["totals"]["requests"]["value"]
-                        == str(stats["totals"]["requests"]), "wave 2 on the page")
+        stats = live.settled()
+        snap = wait_for(page, lambda s: shows(s, stats), "wave 2 on the page")
         stats = live.stats()
         assert_agrees(snap, stats)
         assert snap["decisions"][0]["request_id"] != first_decision
@@ -279,8 +321,9 @@ def test_replica_names_are_text_and_unreachable_replicas_show(live, browser):
     assert card["fields"]["health"]["text"] == "unhealthy"
     assert "Connection refused" in card["fields"]["problem"]["text"]
     assert card["fields"]["pages_used"]["text"] == "–"  # no load known: not zero
+    assert pools_shown(card) is None  # no pools known: no table
     assert snap["xss"] is None and snap["injected"] == 0
-    assert as_int(snap["totals"]["healthy"]) == 3 and as_int(snap["totals"]["replicas"]) == 4
+    assert as_int(snap["totals"]["healthy"]) == 4 and as_int(snap["totals"]["replicas"]) == 5
     assert errors == []
 
 

@@ -80,8 +80,8 @@ def test_dashboard_json_is_complete():
         cells |= mine
     titles = " | ".join(p["title"].lower() for p in data)
     for topic in ("health", "share of traffic", "hit rate", "reused vs computed",
-                  "attention-only vs final", "kv pages", "running and waiting", "ttft",
-                  "decisions"):
+                  "attention-only vs final", "kv pages", "kv pages per pool",
+                  "evicted pages per pool", "running and waiting", "ttft", "decisions"):
         assert topic in titles, topic
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["current"]["value"] == "prometheus"
@@ -119,6 +119,11 @@ def test_every_queried_metric_exists_live(live):
     for histogram in ("router_time_to_first_token_seconds", "replica_time_to_first_token_seconds"):
         assert f"{histogram}_bucket" in wanted
         assert re.search(rf"^{histogram}_count\S* [1-9]", router + replica, re.M), histogram
+    # the per-pool panels group by life_cycle: the hybrid replica exposes its three pools
+    hybrid = httpx.get(live.hybrid.url + "/metrics").text
+    assert {"replica_kv_cache_pool_pages", "replica_kv_cache_pool_evicted_pages_total"} <= wanted
+    assert set(re.findall(r'^replica_kv_cache_pool_evicted_pages_total\{[^}]*life_cycle="([^"]+)"',
+                          hybrid, re.M)) == {"full_attention", "sliding_window(24)", "recurrent"}
 
 
 def test_provisioning_and_scrape_config():

@@ -12,6 +12,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 app = FastAPI()
 captured: list[dict] = []
+seen: list[str] = []  # "METHOD /path" of every request, in order
+
+
+@app.middleware("http")
+async def record(request: Request, call_next):
+    seen.append(f"{request.method} {request.url.path}")
+    return await call_next(request)
 
 
 @app.get("/health")
@@ -27,6 +34,11 @@ async def models():
 @app.get("/captured")
 async def get_captured():
     return captured
+
+
+@app.get("/seen")
+async def get_seen():
+    return seen
 
 
 @app.post("/v1/completions")

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ def fronted():
             Proc("tests.router.fake_openai", ready_path="/health") as b, \
             Proc("router", "--backend", "openai", "--policy", "approx_prefix",
                  "--replicas", f"{a.url},{b.url}", "--backend-api-key", "upstream-key",
+                 "--health-interval-s", "0.2", "--kv-pools-interval-s", "0.05",
                  "--log-level", "warning") as router:
         yield router, a, b
 
@@ -34,6 +36,26 @@ def test_body_forwarded_unchanged_without_the_clients_authorization(fronted):
     assert got["body"] == body  # n, logprobs and unknown fields untouched
     assert got["headers"]["authorization"] == "Bearer upstream-key"
     assert "client-secret" not in str(got["headers"])
+
+
+def seen(server) -> list[str]:
+    return httpx.get(server.url + "/seen").json()
+
+
+def test_no_kv_pools_are_asked_of_other_servers(fronted):
+    """Other servers have no /stats of ours: /stats shows no pools, and none is asked for
+    (the pools' first round would run at start-up, before the health loop's first check)."""
+    router, a, b = fronted
+    start = {s.url: seen(s).count("GET /health") for s in (a, b)}
+    deadline = time.monotonic() + 20
+    while any(seen(s).count("GET /health") < start[s.url] + 2 for s in (a, b)):
+        assert time.monotonic() < deadline, "the router's health loop stopped"
+        time.sleep(0.05)
+    for server in (a, b):
+        assert "GET /stats" not in seen(server)
+    shown = httpx.get(router.url + "/stats").json()["replicas"]
+    assert [(r["url"], r["kv_pools"], r["kv_pools_age_s"]) for r in shown] == [
+        (a.url, None, None), (b.url, None, None)]
 
 
 def test_streaming_passes_through(fronted):
