@@ -138,11 +138,49 @@ def test_recurrent_single_commit_keeps_only_its_end():
     assert mgr.probe_reuse(seq(0, 64)).num_tokens == 64
 
 
-def test_recurrent_snapshot_not_kept_off_boundary():
-    mgr = manager(FullAttention(), Recurrent())
-    serve(mgr, seq(0, 70), chunks=[40, 30])  # ends at 40 and 70: neither on a boundary
-    assert mgr.probe_reuse(seq(0, 70)).num_tokens == 0
-    assert mgr.stats().pools[1].cached_pages == 0
+@pytest.mark.parametrize("partial", [True, False])
+def test_recurrent_keeps_a_snapshot_where_the_history_ends(partial):
+    """Commits end at 40 and 70, neither on a boundary: with partial reuse the closed cache
+    leaves a snapshot at 70 (on its partial last block); without it, none (as before)."""
+    mgr = manager(FullAttention(), Recurrent(), partial=partial)
+    serve(mgr, seq(0, 70), chunks=[40, 30])
+    probes = [mgr.probe_reuse(seq(0, n)).num_tokens for n in (32, 40, 64, 69, 70)]
+    assert probes == ([0, 0, 0, 0, 70] if partial else [0, 0, 0, 0, 0])
+    assert mgr.probe_reuse(seq(0, 70) + [7] * 10).num_tokens == (70 if partial else 0)
+    assert mgr.stats().pools[1].cached_pages == (1 if partial else 0)
+    mgr.check_invariants()
+
+
+def _turn(mgr, prompt, decoded):
+    """One chat turn as a replica serves it: a cache for prompt[:-1], the prompt's uncached
+    tokens in one commit, then one commit per decoded token but the last (never fed back),
+    close. Returns the reused tokens."""
+    cache = mgr.create_kv_cache(prompt[:-1])
+    reused = cache.num_reused_tokens
+    assert cache.resize(len(prompt) + len(decoded))
+    cache.commit(prompt[reused:])
+    for token in decoded[:-1]:
+        cache.commit([token])
+    cache.close()
+    return reused
+
+
+@pytest.mark.parametrize("partial, expected", [
+    (True, [0, 45, 87, 129, 171]),  # exactly where each turn ended
+    # Without partial reuse only commits that end on a boundary leave snapshots: decoding
+    # ends on 32, 128 and 160; the second turn's prompt commit runs 32..72, past 64.
+    (False, [0, 32, 32, 128, 160]),
+])
+def test_multi_turn_hybrid_chat_resumes_where_each_turn_ended(partial, expected):
+    mgr = manager(FullAttention(), SlidingWindow(window=64), Recurrent(), partial=partial)
+    history, reused = seq(0, 30), []
+    for turn in range(5):
+        answer = seq(1000 + 100 * turn, 16)
+        reused.append(_turn(mgr, history, answer))
+        history = history + answer + seq(5000 + 100 * turn, 26)
+        mgr.check_invariants()
+    assert reused == expected
+    # Turn ends: 30+15 = 45, then each turn adds 16 + 26 tokens: 87, 129, 171.
 
 
 def test_recurrent_only_model():
@@ -155,29 +193,70 @@ def test_recurrent_only_model():
 
 # -- sliding window ----------------------------------------------------------------------
 
-def test_sliding_window_releases_pages_that_left_the_window():
-    mgr = manager(SlidingWindow(window=64))
+@pytest.mark.parametrize("life_cycles", [(SlidingWindow(window=64),),
+                                         (FullAttention(), SlidingWindow(window=64))])
+def test_sliding_window_pages_that_left_the_window_stay_cached(life_cycles):
+    mgr = manager(*life_cycles)
+    w = len(life_cycles) - 1  # the window pool
     cache = mgr.create_kv_cache([])
     assert cache.resize(128)
     cache.commit(seq(0, 128))
-    assert cache.block_table(0)[:2] == [None, None]
-    assert mgr.stats().pools[0].used_pages == 2
+    assert cache.block_table(w)[:2] == [None, None]  # (129 - 64) // 32 = 2 blocks left
+    window = mgr.stats().pools[w]
+    assert (window.used_pages, window.cached_pages) == (2, 2)
     cache.close()
-    assert mgr.probe_reuse(seq(0, 96)).num_tokens == 0
-    assert mgr.probe_reuse(seq(0, 128)).num_tokens == 128
-    assert mgr.stats().pools[0].cached_pages == 2
+    assert [mgr.probe_reuse(seq(0, n)).num_tokens for n in (32, 64, 96, 128)] == \
+        [32, 64, 96, 128]
+    assert mgr.stats().pools[w].cached_pages == 4
+    mgr.check_invariants()
+
+
+def test_a_shared_prompt_longer_than_the_window_is_reused():
+    """256 shared tokens then 64 of each request's own, window 64: the next request reuses
+    the 256 and holds only the two window pages its end point needs."""
+    mgr = manager(FullAttention(), SlidingWindow(window=64))
+    system = seq(0, 256)
+    assert serve(mgr, system + seq(1000, 64)) == 0
+    second = system + seq(2000, 64)
+    assert mgr.probe_reuse(second).num_tokens == 256
+    cache = mgr.create_kv_cache(second)
+    assert cache.num_reused_tokens == 256
+    table = cache.block_table(1)
+    assert table[:6] == [None] * 6 and None not in table[6:] and len(table) == 8
+    assert mgr.stats().pools[1].used_pages == 2  # (257 - 64) // 32 = 6: blocks 6 and 7
+    assert mgr.stats().pools[0].used_pages == 8
+    cache.close()
+    mgr.check_invariants()
 
 
 def test_sliding_window_with_full_attention_and_sinks():
     mgr = manager(FullAttention(), SlidingWindow(window=64, sink_tokens=32))
     serve(mgr, seq(0, 160))
-    # Block 0 is a sink and keeps its window page; blocks 1-2 left the window.
     assert [mgr.probe_reuse(seq(0, n)).num_tokens for n in (32, 64, 96, 128, 160)] == \
-        [32, 32, 32, 32, 160]
+        [32, 64, 96, 128, 160]
     assert mgr.stats().pools == (
         PoolStats("full_attention", 256, 251, 0, 5, 0),
-        PoolStats("sliding_window(64, sink=32)", 256, 253, 0, 3, 0),
+        PoolStats("sliding_window(64, sink=32)", 256, 251, 0, 5, 0),
     )
+
+
+def test_a_window_page_evicted_mid_sequence_cuts_exactly_the_end_points_that_needed_it():
+    """Window 64, tpb 32, 5 pages, window pool only. One commit of 160 tokens releases the
+    window pages of blocks 2, 1, 0 (deepest first), the close those of blocks 4, 3; so the
+    next page anybody needs is block 2's, from the middle of the sequence."""
+    mgr = manager(SlidingWindow(window=64), pages=5)
+    serve(mgr, seq(0, 160))
+    other = mgr.create_kv_cache(seq(9000, 4))
+    assert other.resize(4)
+    s = mgr.stats()
+    assert (s.pools[0].evicted_pages, s.evicted_blocks, s.cached_blocks) == (1, 0, 5)
+    # e needs blocks (e + 1 - 64) // 32 .. (e - 1) // 32; block 2 is in that range for
+    # 65 <= e <= 158: those cut to 64; the rest are whole.
+    lengths = (32, 64, 65, 96, 128, 158, 159, 160)
+    assert [mgr.probe_reuse(seq(0, n)).num_tokens for n in lengths] == \
+        [32, 64, 64, 64, 64, 64, 159, 160]
+    other.close()
+    mgr.check_invariants()
 
 
 def test_sliding_window_pages_kept_while_another_cache_reads_them():
@@ -193,13 +272,14 @@ def test_sliding_window_pages_kept_while_another_cache_reads_them():
     first.commit(seq(96, 96))       # first's window moves on, second still reads 1-2
     assert first.block_table(1)[:4] == [None] * 4  # (193 - 64) // 32 = 4 blocks left
     assert second.block_table(1) == window_pages
-    assert mgr.stats().pools[1].used_pages == 2 + 2   # second: blocks 1-2; first: 4-5
-    second.close()  # blocks 1-2 keep their window pages: attached, and first holds the blocks
-    assert mgr.stats().pools[1].used_pages == 4
+    pool = mgr.stats().pools[1]
+    assert (pool.used_pages, pool.cached_pages) == (2 + 2, 2)  # second: 1-2; first: 4-5
+    second.close()  # nobody reads blocks 1-2's window pages now: cached
+    pool = mgr.stats().pools[1]
+    assert (pool.used_pages, pool.cached_pages) == (2, 4)
     first.close()
-    assert mgr.stats().pools[1].cached_pages == 4
-    assert mgr.probe_reuse(seq(0, 96)).num_tokens == 96
-    assert mgr.probe_reuse(seq(0, 128)).num_tokens == 96  # block 3's window page is gone
+    assert mgr.stats().pools[1].cached_pages == 6
+    assert [mgr.probe_reuse(seq(0, n)).num_tokens for n in (96, 128, 192)] == [96, 128, 192]
     mgr.check_invariants()
 
 

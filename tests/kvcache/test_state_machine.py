@@ -494,40 +494,43 @@ def test_exact_full_attention_partial_reuse_and_eviction(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["reference", "kvcache"])
-def test_exact_sliding_window_pages_leave(impl: str) -> None:
-    """SlidingWindow(3) alone, tpb 2: pages that leave the window go to the free pool and a
-    match must end where every needed window page is still there."""
+def test_exact_sliding_window_pages_stay_cached(impl: str) -> None:
+    """SlidingWindow(3) alone, tpb 2: pages that leave the window stay on their blocks,
+    cached, so every prefix of the sequence stays reusable."""
     cfg = CacheConfig(tokens_per_block=2, num_pages=8, life_cycles=(SlidingWindow(window=3),))
     mgr = _managers(cfg)[impl]
     c = mgr.create_kv_cache([])
     assert c.resize(6) is True
-    c.commit([0, 1, 2, 3, 4, 5])  # blocks 0 and 1 leave the window
-    assert _pool(mgr, 0) == (7, 1, 0)
+    c.commit([0, 1, 2, 3, 4, 5])  # blocks 0 and 1 leave the window: (7 - 3) // 2 = 2
+    assert _pool(mgr, 0) == (5, 1, 2)
     if impl == "kvcache":
         table = c.block_table(0)
         assert table[:2] == [None, None] and table[2] is not None
     c.close()
-    assert _pool(mgr, 0) == (7, 0, 1)
+    assert _pool(mgr, 0) == (5, 0, 3)
     assert _probe(mgr, [0, 1, 2, 3, 4, 5]) == (6, 6)
-    assert _probe(mgr, [0, 1, 2, 3]) == (0, 0)
-    assert _probe(mgr, [0, 1, 2, 3, 4]) == (0, 0)
+    assert _probe(mgr, [0, 1, 2, 3]) == (4, 4)
+    assert _probe(mgr, [0, 1, 2, 3, 4]) == (5, 5)
     c2 = mgr.create_kv_cache([0, 1, 2, 3, 4, 5])
     assert c2.num_reused_tokens == 6
+    assert _pool(mgr, 0) == (5, 1, 2)  # it needs block 2's page only
     assert c2.resize(8) is True
-    c2.commit([6, 7])  # block 2 leaves the window; nobody else has its page
-    assert _pool(mgr, 0) == (7, 1, 0)
+    c2.commit([6, 7])  # block 2 leaves the window too
+    assert _pool(mgr, 0) == (4, 1, 3)
     c2.close()
     assert _probe(mgr, [0, 1, 2, 3, 4, 5, 6, 7]) == (8, 8)
-    assert _probe(mgr, [0, 1, 2, 3, 4, 5]) == (0, 0)
+    assert _probe(mgr, [0, 1, 2, 3, 4, 5]) == (6, 6)
     mgr.clear_reusable_blocks()
     assert _pool(mgr, 0) == (8, 0, 0)
     assert _probe(mgr, [0, 1, 2, 3, 4, 5, 6, 7]) == (0, 0)
+    assert mgr.stats().pools[0].evicted_pages == 4
 
 
 @pytest.mark.parametrize("impl", ["reference", "kvcache"])
 def test_exact_recurrent_snapshots(impl: str) -> None:
     """FullAttention + Recurrent, tpb 2, no partial reuse: a snapshot only where a commit
-    ends on a block boundary, and a match must end on one."""
+    ends on a block boundary, and a match must end on one. A snapshot is cached as soon as
+    it is taken (no open cache needs it), and used only while a cache restores from it."""
     cfg = CacheConfig(
         tokens_per_block=2,
         num_pages=6,
@@ -541,7 +544,7 @@ def test_exact_recurrent_snapshots(impl: str) -> None:
     c1.commit([0, 1, 2])  # passes the end of block 0 inside the commit: no snapshot
     assert _pool(mgr, 1) == (5, 1, 0)
     c1.commit([3])  # ends on block 1's end: snapshot
-    assert _pool(mgr, 1) == (4, 2, 0)
+    assert _pool(mgr, 1) == (4, 1, 1)
     c1.close()
     assert _pool(mgr, 0) == (4, 0, 2)
     assert _pool(mgr, 1) == (5, 0, 1)
@@ -550,10 +553,11 @@ def test_exact_recurrent_snapshots(impl: str) -> None:
     c2 = mgr.create_kv_cache([0, 1, 2, 3])
     assert (c2.num_reused_tokens, c2.num_tokens_before_hybrid_pruning) == (4, 4)
     assert _pool(mgr, 1) == (5, 1, 0)  # the snapshot it restores from is used
-    assert c2.resize(6) is True
+    assert c2.resize(6) is True  # restored: the snapshot is cached again
+    assert _pool(mgr, 1) == (4, 1, 1)
     c2.commit([4, 5])
     assert _pool(mgr, 0) == (3, 3, 0)
-    assert _pool(mgr, 1) == (3, 3, 0)
+    assert _pool(mgr, 1) == (3, 1, 2)
     c2.close()
     assert _pool(mgr, 1) == (4, 0, 2)
     assert _probe(mgr, [0, 1, 2, 3, 4, 5]) == (6, 6)
@@ -564,6 +568,36 @@ def test_exact_recurrent_snapshots(impl: str) -> None:
         4,
         4,
     )
+
+
+@pytest.mark.parametrize("impl", ["reference", "kvcache"])
+def test_exact_recurrent_snapshot_where_a_closed_cache_ends(impl: str) -> None:
+    """FullAttention + Recurrent, tpb 4, partial reuse: a cache closed at 6 leaves its live
+    state as a snapshot on its partial last block [4, 5]; a lookup reuses up to it only
+    when it matches every token of that block, and restores from it."""
+    cfg = CacheConfig(tokens_per_block=4, num_pages=6, life_cycles=(FullAttention(), Recurrent()))
+    mgr = _managers(cfg)[impl]
+    c = mgr.create_kv_cache([])
+    assert c.resize(6) is True
+    c.commit([0, 1, 2, 3, 4])  # ends inside block 1: no snapshot at a commit
+    c.commit([5])
+    assert _pool(mgr, 1) == (5, 1, 0)
+    c.close()  # the partial block [4, 5] is stored with the live page as its snapshot
+    assert (_pool(mgr, 0), _pool(mgr, 1)) == ((4, 0, 2), (5, 0, 1))
+    assert _probe(mgr, [0, 1, 2, 3, 4, 5, 6]) == (6, 6)
+    assert _probe(mgr, [0, 1, 2, 3, 4, 5]) == (6, 6)
+    assert _probe(mgr, [0, 1, 2, 3, 4]) == (0, 5)  # [4, 5] is not matched to its end
+    assert _probe(mgr, [0, 1, 2, 3, 4, 7]) == (0, 5)
+    d = mgr.create_kv_cache([0, 1, 2, 3, 4, 5, 6])
+    assert (d.num_reused_tokens, d.num_committed_tokens) == (6, 6)
+    assert _pool(mgr, 1) == (5, 1, 0)  # restoring from the snapshot: used
+    assert d.resize(8) is True
+    assert _pool(mgr, 1) == (4, 1, 1)
+    d.commit([6, 7])  # ends on a boundary: a snapshot on the full block [4, 5, 6, 7]
+    assert _pool(mgr, 1) == (3, 1, 2)
+    d.close()
+    assert _probe(mgr, [0, 1, 2, 3, 4, 5, 6, 7, 8]) == (8, 8)
+    assert _probe(mgr, [0, 1, 2, 3, 4, 5, 9]) == (6, 6)  # the partial sibling's end point
 
 
 @pytest.mark.parametrize("impl", ["reference", "kvcache"])
@@ -590,9 +624,9 @@ def test_exact_empty_commit_is_a_no_op(impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["reference", "kvcache"])
-def test_exact_recurrent_page_evicts_in_global_order(impl: str) -> None:
-    """Reading of the spec (see report): a pool that needs a page evicts in the one global
-    order, even blocks that have no page in that pool, until it has a free page."""
+def test_exact_recurrent_pool_evicts_only_its_own_pages(impl: str) -> None:
+    """A pool that needs a page evicts its own oldest cached page: the recurrent pool takes
+    the snapshot of [8,8] and leaves both blocks (and the full-attention pool) alone."""
     cfg = CacheConfig(
         tokens_per_block=2,
         num_pages=3,
@@ -611,11 +645,13 @@ def test_exact_recurrent_page_evicts_in_global_order(impl: str) -> None:
     assert (_pool(mgr, 0), _pool(mgr, 1)) == ((1, 0, 2), (2, 0, 1))
     caches = [mgr.create_kv_cache([]) for _ in range(3)]
     # Each first resize takes a live page and no attention page; the third finds the
-    # recurrent pool full: [7,7] (older, no snapshot) goes first, then [8,8].
+    # recurrent pool full and evicts the one cached snapshot.
     assert [c.resize(0) for c in caches] == [True, True, True]
-    assert (_pool(mgr, 0), _pool(mgr, 1)) == ((3, 0, 0), (0, 3, 0))
-    assert mgr.stats().evicted_blocks == 2
-    assert _probe(mgr, [7, 7]) == (0, 0)
+    assert (_pool(mgr, 0), _pool(mgr, 1)) == ((1, 0, 2), (0, 3, 0))
+    s = mgr.stats()
+    assert (s.evicted_blocks, s.pools[0].evicted_pages, s.pools[1].evicted_pages) == (0, 0, 1)
+    assert _probe(mgr, [7, 7]) == (0, 2)
+    assert _probe(mgr, [8, 8]) == (0, 2)
 
 
 @pytest.mark.parametrize("impl", ["reference", "kvcache"])
@@ -648,25 +684,27 @@ def test_exact_partial_tail_stored_at_close_without_commit(impl: str) -> None:
 def test_spec_partial_source_needs_every_attention_page(impl: str) -> None:
     """docs/kvcache.md, Matching 2: p is the longest common prefix with any child; if no
     child sharing those p tokens has a page in every attention pool, there is no extension
-    (a shorter prefix of another child is not used)."""
-    cfg = CacheConfig(
-        tokens_per_block=3,
-        num_pages=4,
-        life_cycles=(FullAttention(), SlidingWindow(window=5)),
-    )
+    (a shorter prefix of another child is not used). SlidingWindow(5) alone, tpb 3."""
+    cfg = CacheConfig(tokens_per_block=3, num_pages=4, life_cycles=(SlidingWindow(window=5),))
     mgr = _managers(cfg)[impl]
     c = mgr.create_kv_cache([])
     assert c.resize(1) is True
     c.commit([1])
-    c.close()  # stores the partial block [1] (every page)
+    c.close()  # stores the partial block [1]
     d = mgr.create_kv_cache([])
     assert d.resize(7) is True
-    d.commit([1, 0, 0, 0, 0, 0, 0])  # [1,0,0] leaves the window: its window page is freed
-    assert _pool(mgr, 1) == (1, 2, 1)
+    d.commit([1, 0, 0, 0, 0, 0, 0])  # [1,0,0] leaves the window: its page is cached
+    assert _pool(mgr, 0) == (0, 2, 2)
+    x = mgr.create_kv_cache([1, 5])  # [1] and [1,0,0] share 1 token: [1] is first in order
+    assert x.num_reused_tokens == 1
+    y = mgr.create_kv_cache([])
+    assert y.resize(1) is True  # the one cached page, [1,0,0]'s, leaves mid-sequence
+    assert _pool(mgr, 0) == (0, 4, 0)
     # Children of the root: [1,0,0] (common prefix 2, no window page) and [1] (prefix 1).
     assert _probe(mgr, [1, 0]) == (0, 0)
     assert mgr.create_kv_cache([1, 0]).num_reused_tokens == 0
     assert _probe(mgr, [1, 2]) == (1, 1)  # here [1] shares the most: it is the source
+    assert _probe(mgr, [1, 0, 0, 0, 0, 0]) == (0, 0)
 
 
 @pytest.mark.parametrize("impl", ["reference", "kvcache"])
