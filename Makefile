@@ -37,6 +37,7 @@ bench: setup
 	$(PY) -m bench.kvcache_probe
 	$(PY) -m bench.kvcache_scaling
 	$(PY) -m bench.kvcache_cycles
+	$(PY) -m bench.kvcache_hybrid
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
