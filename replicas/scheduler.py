@@ -115,6 +115,9 @@ class Scheduler:
                 log.exception("engine step failed")
                 self._in_flight.clear()
                 for seq, _ in batch:
+                    # The step may have written part of its recurrent state: keep no
+                    # snapshot of it when the cache closes.
+                    seq.cache.invalidate_live_state()
                     self._finish(seq, "abort", error=f"engine error: {exc}")
                 continue
             self._in_flight.clear()

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from kvcache import CacheConfig, FullAttention, KVCacheManager, ReuseScope
+from kvcache import CacheConfig, FullAttention, KVCacheManager, Recurrent, ReuseScope
 from replicas.engines.base import Engine, SamplingParams
 from replicas.engines.sim import SimEngine, SimTiming
 from replicas.scheduler import QueueFull, Scheduler, SchedulerConfig
@@ -154,3 +154,26 @@ def test_engine_failure_fails_the_batch_and_keeps_serving():
 def test_engine_interface_is_abstract():
     with pytest.raises(TypeError):
         Engine()
+
+
+def test_a_failed_step_leaves_no_recurrent_snapshot_of_its_half_written_state():
+    """A hybrid sequence whose second step fails: its cache closes inside a block, where a
+    clean close would keep the live state as a snapshot; after the failure it keeps none,
+    and the next identical request reuses only the snapshot taken at a clean commit."""
+    class FailsSecondStep(RecordingEngine):
+        async def step(self, items):
+            if len(self.batches) == 1:
+                self.batches.append("failed")
+                raise RuntimeError("boom")
+            return await super().step(items)
+
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=16,
+                                     life_cycles=(FullAttention(), Recurrent())))
+    engine = FailsSecondStep()
+    sched = Scheduler(mgr, engine, SchedulerConfig(max_batched_tokens=8))
+    prompt = list(range(1, 11))  # 10 tokens: chunks of 8 (snapshot at 8), then 2
+    events = run_all(sched, [seq("a", prompt)])[0]
+    assert events[-1].reason == "abort" and "boom" in events[-1].error
+    assert mgr.stats().pools[1].cached_pages == 1  # the block-end snapshot at 8 only
+    assert mgr.probe_reuse(prompt[:-1]).num_tokens == 8
+    mgr.check_invariants()

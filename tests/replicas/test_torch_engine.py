@@ -111,8 +111,9 @@ REUSE_CASES = {
                      (64, 64)),
     "diverges inside a block": (tokens(1, 67) + [1], tokens(1, 67) + [2] + tokens(4, 12), [64],
                                 (67, 64)),
+    # The closed first request left a snapshot where it ended (60), inside block 7.
     "extends a stored partial block": (tokens(5, 60), tokens(5, 60) + tokens(6, 20), [56],
-                                       (60, 56)),
+                                       (60, 60)),
 }
 
 
@@ -131,6 +132,54 @@ def test_reused_prefix_gives_the_same_output_as_scratch(case, kind):
     torch.testing.assert_close(reused.logits, scratch.logits, atol=ATOL, rtol=0)
     dense = reference_logits(engine.model, second)[-1].cpu()
     torch.testing.assert_close(reused.logits, dense, atol=ATOL, rtol=0)
+
+
+def _assert_exact(engine, settings, prompt, run):
+    """``run`` (served with reuse) equals the same prompt served from scratch, and its
+    prompt logits equal the dense reference forward."""
+    scratch = serve(*make(**settings), prompt, n_new=len(run.generated))
+    assert scratch.reused == 0
+    assert run.generated == scratch.generated
+    torch.testing.assert_close(run.logits, scratch.logits, atol=ATOL, rtol=0)
+    dense = reference_logits(engine.model, prompt)[-1].cpu()
+    torch.testing.assert_close(run.logits, dense, atol=ATOL, rtol=0)
+
+
+SHARED_PROMPT_MODELS = {
+    # name: (settings, reuse of the shared 100-token prompt by the second request)
+    # Window 48 < 100. With a recurrent layer the reuse ends at the last snapshot <= 100,
+    # where the first request's prefill chunk ended (96).
+    "full+sliding+recurrent": (HYBRID, 96),
+    "full+sliding": ({**HYBRID, "layers": ("full", "sliding")}, 100),
+}
+
+
+@pytest.mark.parametrize("model", list(SHARED_PROMPT_MODELS))
+def test_a_shared_prompt_longer_than_the_window_is_reused_exactly(model):
+    settings, expected = SHARED_PROMPT_MODELS[model]
+    engine, mgr = make(**settings)
+    system = tokens(9, 100)
+    assert serve(engine, mgr, system + tokens(10, 20), chunks=[96]).reused == 0
+    second = system + tokens(11, 20)
+    run = serve(engine, mgr, second)
+    assert run.reused == expected
+    _assert_exact(engine, settings, second, run)
+
+
+def test_a_multi_turn_hybrid_chat_resumes_each_turn_exactly_where_the_last_ended():
+    """Five turns on the hybrid model (prompt, then one commit per decoded token, close):
+    each turn reuses exactly what the previous one committed (its end lies inside a block:
+    the snapshot taken at close), and computes what a scratch run computes."""
+    engine, mgr = make(**HYBRID)
+    history, ends, reused = tokens(12, 21), [], []
+    for turn in range(5):
+        run = serve(engine, mgr, history, n_new=6)
+        reused.append(run.reused)
+        _assert_exact(engine, HYBRID, history, run)
+        ends.append(len(history) + 5)  # the last sampled token is never committed
+        history = history + run.generated + tokens(100 + turn, 11)
+    assert reused == [0] + ends[:-1]
+    assert [end % TPB for end in ends[:-1]] == [2, 3, 4, 5]  # all inside a block
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
