@@ -2,8 +2,9 @@
 
 Each step the scheduler
 1. grows every running sequence by its next piece of work: one token to decode, or the
-   next prefill chunk (chunks end on block boundaries, so recurrent snapshots land where
-   later prompts can reuse them);
+   next prefill chunk (chunks end on block boundaries, and where the attention layers could
+   have reused more than the recurrent snapshots allowed, so snapshots land where later
+   prompts can reuse them);
 2. admits waiting sequences, first come first served, while the step's prefill token
    budget, ``max_num_seqs`` and the KV pages allow (a sequence that does not fit waits:
    backpressure, not failure);
@@ -150,9 +151,15 @@ class Scheduler:
         return batch
 
     def _next_end(self, seq: Sequence, budget: int) -> int:
-        """End of the next piece of work: a prefill chunk (block-aligned) or one token."""
+        """End of the next piece of work: a prefill chunk (block-aligned) or one token.
+
+        A chunk also ends at ``seq.snapshot_at``: where the attention layers could have
+        reused more than the recurrent snapshots allowed, so that a snapshot is kept there
+        (the next request sharing that prefix reuses it)."""
         start, total = seq.num_computed, seq.num_tokens
         end = min(total, start + max(1, budget))
+        if start < seq.snapshot_at < end:
+            return seq.snapshot_at
         if end < total and end - end % self._tpb > start:
             end -= end % self._tpb
         return end
@@ -170,6 +177,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> bool:
         cache = self.manager.create_kv_cache(seq.all_tokens()[:-1], scope=seq.scope)
         seq.num_computed = cache.num_reused_tokens
+        attention = cache.num_tokens_before_hybrid_pruning
+        seq.snapshot_at = attention - attention % self._tpb  # 0 or <= reuse: no effect
         if not cache.resize(self._next_end(seq, budget)):
             cache.close()
             seq.num_computed = 0

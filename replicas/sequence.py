@@ -51,6 +51,7 @@ class Sequence:
     cached_tokens: int | None = None  # reuse at first admission: what usage reports
     cached_tokens_before_hybrid_pruning: int = 0
     expected_reuse: int = 0  # probe at arrival, for the load snapshot
+    snapshot_at: int = 0  # a prefill chunk ends here (see Scheduler._next_end)
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None

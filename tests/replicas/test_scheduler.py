@@ -177,3 +177,22 @@ def test_a_failed_step_leaves_no_recurrent_snapshot_of_its_half_written_state():
     assert mgr.stats().pools[1].cached_pages == 1  # the block-end snapshot at 8 only
     assert mgr.probe_reuse(prompt[:-1]).num_tokens == 8
     mgr.check_invariants()
+
+
+def test_a_hybrid_prefill_chunk_ends_where_the_attention_layers_could_reuse():
+    """The second request shares 40 tokens the attention layers could reuse but no snapshot
+    lies there: its prefill ends a chunk at 40, so the third request reuses 40."""
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=64,
+                                     life_cycles=(FullAttention(), Recurrent())))
+    engine = RecordingEngine()
+    sched = Scheduler(mgr, engine, SchedulerConfig())
+    system = list(range(1, 41))
+    reused = []
+    for i, name in enumerate("abc"):
+        s = seq(name, system + [100 + i] * 6)
+        run_all(sched, [s])
+        reused.append((s.cached_tokens, s.cached_tokens_before_hybrid_pruning))
+    assert reused == [(0, 0), (0, 40), (40, 40)]
+    prefill_chunks = [[(start, n) for _, start, n, _ in batch if n > 1]
+                      for batch in engine.batches]
+    assert [c for c in prefill_chunks if c] == [[(0, 46)], [(0, 40)], [(40, 6)], [(40, 6)]]
