@@ -56,7 +56,7 @@ class Block:
         self.seq = seq
         self.alive = True
         self.scope: ReuseScope | None = None  # set on roots only
-        self.snapshot_lengths: dict[int, int] = {}
+        self.snapshot_lengths: dict[int, int] | None = None  # made on first use
 
     @property
     def num_tokens(self) -> int:
@@ -152,9 +152,12 @@ class BlockTree:
         if pool == self.full and block.holders == 0:
             self.reclaimable[pool] += 1
         if pool == self.recurrent and len(block.key) < self._block_bytes:
-            lengths = block.parent.snapshot_lengths  # type: ignore[union-attr]
+            parent = block.parent
+            assert parent is not None
+            if parent.snapshot_lengths is None:
+                parent.snapshot_lengths = {}
             n = len(block.key) // TOKEN_BYTES
-            lengths[n] = lengths.get(n, 0) + 1
+            parent.snapshot_lengths[n] = parent.snapshot_lengths.get(n, 0) + 1
 
     def detach(self, block: Block, pool: int) -> int:
         page = block.pages[pool]
@@ -165,7 +168,8 @@ class BlockTree:
         block.pages[pool] = None
         p.block_of[page] = None
         if pool == self.recurrent and len(block.key) < self._block_bytes:
-            lengths = block.parent.snapshot_lengths  # type: ignore[union-attr]
+            lengths = block.parent.snapshot_lengths
+            assert lengths is not None
             n = len(block.key) // TOKEN_BYTES
             lengths[n] -= 1
             if not lengths[n]:
@@ -228,9 +232,6 @@ class BlockTree:
                 reclaimable[full] += 1
             if not block.children:
                 self._became_candidate(block)
-
-    def release(self, block: Block, tick: int) -> None:
-        self.release_all([block], tick)
 
     # -- eviction --------------------------------------------------------------------
 
