@@ -41,7 +41,7 @@ class ReplicaService:
                                        settings.enable_partial_reuse)
         self.manager = KVCacheManager(cfg, self.engine.page_layouts())
         self.engine.bind(self.manager)
-        self.model_id = settings.model or f"{self.engine.name}-byte-lm"
+        self.model_id = settings.served_model_name or f"{self.engine.name}-byte-lm"
         self.max_model_len = min(settings.max_model_len or self.engine.max_model_len,
                                  self.engine.max_model_len)
         self.metrics = ReplicaMetrics(self.model_id)

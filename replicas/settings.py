@@ -22,7 +22,12 @@ class ReplicaSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=9001, ge=0, le=65535)
     engine: Literal["sim", "torch"] = "sim"
-    model: Optional[str] = None  # served model id; default depends on the engine
+    # A Hugging Face checkpoint directory for --engine torch (config.json, *.safetensors,
+    # tokenizer.json, tokenizer_config.json, generation_config.json); without it the torch
+    # engine runs a seeded preset (--preset) with the byte-level tokenizer.
+    model: Optional[str] = None
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # default: float32
+    served_model_name: Optional[str] = None  # default: the checkpoint directory's name
     # KV cache
     kv_pages: int = Field(default=256, ge=1)
     tokens_per_block: int = Field(default=32, ge=1)
@@ -54,6 +59,17 @@ class ReplicaSettings(BaseSettings):
     # operations
     drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: str = "info"
+
+
+def _check_engine_fields(settings: ReplicaSettings) -> ReplicaSettings:
+    if settings.model is not None and settings.engine != "torch":
+        raise ValueError(f"--model {settings.model!r} names a checkpoint for --engine torch; "
+                         f"the {settings.engine!r} engine takes none (use --served-model-name "
+                         "to choose the name it is served under)")
+    if settings.dtype is not None and settings.model is None:
+        raise ValueError("--dtype applies to a checkpoint (--model DIR); the seeded presets "
+                         "run in float32")
+    return settings
 
 
 def merge_settings(cls: type[BaseSettings], section: str, cli: dict[str, Any],
@@ -95,10 +111,10 @@ def settings_from_argv(cls: type[BaseSettings], section: str, prog: str, descrip
 
 
 def load_settings(cli: dict[str, Any], config_file: str | None = None) -> ReplicaSettings:
-    return merge_settings(ReplicaSettings, "replica", cli, config_file)
+    return _check_engine_fields(merge_settings(ReplicaSettings, "replica", cli, config_file))
 
 
 def parse_args(argv: list[str] | None = None) -> ReplicaSettings:
-    return settings_from_argv(
+    return _check_engine_fields(settings_from_argv(
         ReplicaSettings, "replica", "python -m replicas",
-        "A replica: an engine around one KV-cache manager, OpenAI-compatible.", argv)
+        "A replica: an engine around one KV-cache manager, OpenAI-compatible.", argv))

@@ -63,7 +63,7 @@ def expected(pools) -> dict[tuple, float]:
 
 @pytest.fixture
 def hybrid():
-    settings = ReplicaSettings(kv_pages=8, tokens_per_block=16, model="hybrid-test")
+    settings = ReplicaSettings(kv_pages=8, tokens_per_block=16, served_model_name="hybrid-test")
     service = ReplicaService(settings, engine=HybridSim())
     return service, TestClient(create_app(settings, service))  # no lifespan: no scheduler
 
@@ -123,7 +123,7 @@ def test_per_pool_metrics_carry_every_field_of_the_pool_stats():
                                 reuse_queries=3, query_tokens=300, hit_tokens=120,
                                 hit_tokens_before_hybrid_pruning=150, evicted_blocks=4)
 
-    service = ReplicaService(ReplicaSettings(model="fixed"))
+    service = ReplicaService(ReplicaSettings(served_model_name="fixed"))
     service.scheduler.manager = Manager()
     got = pool_samples(scrape(TestClient(create_app(service.settings, service))))
     assert got == {

@@ -51,3 +51,16 @@ def test_defaults():
     s = ReplicaSettings()
     assert (s.host, s.port, s.engine, s.kv_pages, s.tokens_per_block) == \
         ("127.0.0.1", 9001, "sim", 256, 32)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/models/x"], "names a checkpoint for --engine torch"),
+    (["--engine", "torch", "--dtype", "bfloat16"], "--dtype applies to a checkpoint"),
+])
+def test_checkpoint_flags_are_refused_where_they_mean_nothing(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(argv)
+
+
+def test_served_model_name_names_the_model():
+    assert parse_args(["--served-model-name", "alpha"]).served_model_name == "alpha"

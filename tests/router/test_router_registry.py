@@ -26,8 +26,8 @@ def test_mismatched_block_size_is_refused_with_a_clear_message():
 
 
 def test_requests_go_only_to_replicas_of_their_model():
-    with cluster(3, (), (), per_replica_args={0: ("--model", "alpha"), 1: ("--model", "alpha"),
-                                              2: ("--model", "beta")}) as (router, reps):
+    with cluster(3, (), (), per_replica_args={0: ("--served-model-name", "alpha"), 1: ("--served-model-name", "alpha"),
+                                              2: ("--served-model-name", "beta")}) as (router, reps):
         models = httpx.get(router.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["alpha", "beta"]
         for i in range(6):
