@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings, app.state.service)
     log.info("replica %s (%s engine, %d KV pages of %d tokens) on http://%s:%d",
-             app.state.service.model_id, settings.engine, settings.kv_pages,
-             settings.tokens_per_block, settings.host, settings.port)
+             app.state.service.model_id, settings.engine,
+             app.state.service.manager.config.num_pages, settings.tokens_per_block,
+             settings.host, settings.port)
     server.run()
     return 0
 

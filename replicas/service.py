@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import logging
 import math
 import sys
 import time
@@ -23,6 +24,7 @@ from kvcache import KVCacheManager, ReuseScope
 from .engines import make_engine
 from .engines.base import Engine, SamplingParams
 from .errors import APIError
+from .kv_sizing import plan_kv_pages
 from .metrics import ReplicaMetrics
 from .scheduler import QueueFull, Scheduler, SchedulerConfig
 from .schemas import (ChatCompletionRequest, CompletionRequest, LoadSnapshot, ModelCard,
@@ -31,15 +33,19 @@ from .sequence import FinishEvent, Sequence, TokenEvent
 from .settings import ReplicaSettings
 from .tokenizer import ByteTokenizer, ChatMessage
 
+log = logging.getLogger("replicas")
+
 
 class ReplicaService:
     def __init__(self, settings: ReplicaSettings, engine: Engine | None = None) -> None:
         self.settings = settings
         self.tokenizer = ByteTokenizer()
         self.engine = engine or make_engine(settings)
-        cfg = self.engine.cache_config(settings.kv_pages, settings.tokens_per_block,
+        plan = plan_kv_pages(settings, self.engine)
+        cfg = self.engine.cache_config(plan.num_pages, settings.tokens_per_block,
                                        settings.enable_partial_reuse)
         self.manager = KVCacheManager(cfg, self.engine.page_layouts())
+        log.info("%s", plan.describe(cfg.tokens_per_block, len(cfg.life_cycles)))
         self.engine.bind(self.manager)
         self.model_id = settings.served_model_name or f"{self.engine.name}-byte-lm"
         self.max_model_len = min(settings.max_model_len or self.engine.max_model_len,

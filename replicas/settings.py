@@ -29,7 +29,8 @@ class ReplicaSettings(BaseSettings):
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # default: float32
     served_model_name: Optional[str] = None  # default: the checkpoint directory's name
     # KV cache
-    kv_pages: int = Field(default=256, ge=1)
+    kv_pages: Optional[int] = Field(default=None, ge=1)  # per pool; unset: replicas/kv_sizing.py
+    kv_memory_fraction: Optional[float] = Field(default=None, gt=0, le=1)
     tokens_per_block: int = Field(default=32, ge=1)
     enable_partial_reuse: bool = True
     # scheduler and limits

@@ -50,7 +50,7 @@ def test_unknown_yaml_key_is_refused(tmp_path):
 def test_defaults():
     s = ReplicaSettings()
     assert (s.host, s.port, s.engine, s.kv_pages, s.tokens_per_block) == \
-        ("127.0.0.1", 9001, "sim", 256, 32)
+        ("127.0.0.1", 9001, "sim", None, 32)
 
 
 @pytest.mark.parametrize("argv, message", [
