@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# make run: three sim replicas (no download). make run MODEL=DIR [REPLICAS=1]: torch
+# replicas serving a local Hugging Face checkpoint directory.
+REPLICAS ?= 3
 run: setup
-	$(PY) -m loadtest cluster --replicas 3 --port 8000
+	$(PY) -m loadtest cluster --replicas $(REPLICAS) --port 8000 $(if $(MODEL),--model $(MODEL))
 
 demo: setup
 	$(PY) -m kvcache.demo

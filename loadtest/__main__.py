@@ -17,9 +17,12 @@ from .cluster import LocalCluster
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    replica_args = ["--engine", args.engine, *shlex.split(args.replica_args)]
-    print(f"starting {args.replicas} {args.engine} replicas and a router "
-          f"(policy {args.policy}) ...", flush=True)
+    engine = "torch" if args.model else args.engine
+    replica_args = ["--engine", engine, *(["--model", args.model] if args.model else []),
+                    *shlex.split(args.replica_args)]
+    what = f"replicas of {args.model}" if args.model else f"{engine} replicas"
+    print(f"starting {args.replicas} {what} and a router (policy {args.policy}) ...",
+          flush=True)
     with LocalCluster(args.replicas, args.policy, replica_args,
                       router_port=args.port or None) as c:
         url = c.router.url
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("cluster", help="run a local router with replicas until Ctrl-C")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--engine", choices=["sim", "torch"], default="sim")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a Hugging Face checkpoint directory: torch replicas serving it")
     p.add_argument("--policy", default="prefix")
     p.add_argument("--port", type=int, default=8000, help="router port (0: any free port)")
     p.add_argument("--replica-args", default="", help="extra replica flags, one string")
