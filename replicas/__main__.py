@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except (ValueError, OSError) as exc:  # a checkpoint or tokenizer that cannot be served
+        print(f"python -m replicas: cannot start: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             http=CoalescingHttpToolsProtocol, proxy_headers=False,
                             server_header=False,

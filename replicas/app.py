@@ -22,7 +22,7 @@ from .openapi import install as install_openapi
 from .responses import DONE, Formatter, text_pieces
 from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                       CompletionResponse, ErrorResponse, ModelList, ProbeRequest, ProbeResponse,
-                      ReplicaStats, _GenerationParams, Status)
+                      ReplicaStats, _GenerationParams, Status, TokenizerInfo)
 from .sequence import Sequence
 from .service import ReplicaService, new_request_id
 from .settings import ReplicaSettings
@@ -85,6 +85,12 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         return ModelList(data=[service.model_card()])
+
+    @app.get("/tokenizer", response_model=TokenizerInfo)
+    async def tokenizer() -> dict:
+        """The tokenizer and chat template this replica serves with (what a router started
+        without --tokenizer loads)."""
+        return service.tokenizer.wire()
 
     @app.get("/health", response_model=Status)
     async def health() -> Status:

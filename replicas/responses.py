@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from . import jsonwire
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .service import ReplicaService
-from .tokenizer import IncrementalDecoder
 
 
 class StopChecker:
@@ -49,7 +48,7 @@ class Piece:
 async def text_pieces(service: ReplicaService, seq: Sequence, stops: list[str] | None
                       ) -> AsyncIterator[Piece]:
     """Text as it is generated, then one final piece with the finish reason."""
-    decoder = IncrementalDecoder()
+    decoder = service.tokenizer.detokenizer()
     checker = StopChecker(stops or [])
     async for event in service.events(seq):
         if isinstance(event, TokenEvent):

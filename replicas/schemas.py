@@ -31,18 +31,22 @@ class ChatMessageIn(_Request):
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
 
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
+    def parts(self) -> Union[str, tuple[str, ...], None]:
+        """The content as a chat template sees it: text, the texts of its parts, or None;
+        ValueError for parts other than text (images, audio: not supported)."""
+        if self.content is None or isinstance(self.content, str):
             return self.content
-        parts = []
+        texts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise ValueError(f"content parts of type {part.type!r} are not supported; "
                                  "send text parts")
-            parts.append(part.text)
-        return "".join(parts)
+            texts.append(part.text)
+        return tuple(texts)
+
+    def text(self) -> str:
+        parts = self.parts()
+        return "" if parts is None else parts if isinstance(parts, str) else "".join(parts)
 
 
 class _GenerationParams(_Request):
@@ -139,9 +143,17 @@ class CompletionRequest(_GenerationParams):
 
 class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    tools: Optional[list[Any]] = None
     # Set by the router after tokenizing (the rendered template), list or base64 form.
     prompt_token_ids: Optional[list[int]] = None
     prompt_token_ids_b64: Optional[str] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v
 
 
 class ProbeRequest(_Request):
@@ -253,6 +265,19 @@ class ModelCard(BaseModel):
     probe_reuse: bool = True
     max_model_len: int
     engine: dict[str, Any] = {}
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer``: what a router needs to tokenize and render chats as this replica
+    does. ``byte-level``: nothing more; ``hf``: the files' contents (tokenizer.json as text,
+    the two configs as JSON, chat_template.jinja when the checkpoint has one)."""
+
+    kind: Literal["byte-level", "hf"]
+    fingerprint: str
+    tokenizer_json: Optional[str] = None
+    tokenizer_config: Optional[dict[str, Any]] = None
+    generation_config: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None
 
 
 class ModelList(BaseModel):

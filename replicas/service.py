@@ -15,6 +15,7 @@ import time
 import uuid
 from array import array
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pybase64
@@ -31,7 +32,7 @@ from .schemas import (ChatCompletionRequest, CompletionRequest, LoadSnapshot, Mo
                       ProbeRequest, _GenerationParams)
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .settings import ReplicaSettings
-from .tokenizer import ByteTokenizer, ChatMessage
+from .text import ChatMessage, load_tokenizer
 
 log = logging.getLogger("replicas")
 
@@ -39,7 +40,8 @@ log = logging.getLogger("replicas")
 class ReplicaService:
     def __init__(self, settings: ReplicaSettings, engine: Engine | None = None) -> None:
         self.settings = settings
-        self.tokenizer = ByteTokenizer()
+        # a checkpoint's tokenizer (or --tokenizer's), else byte-level
+        self.tokenizer = load_tokenizer(settings.tokenizer or settings.model)
         self.engine = engine or make_engine(settings)
         plan = plan_kv_pages(settings, self.engine)
         cfg = self.engine.cache_config(plan.num_pages, settings.tokens_per_block,
@@ -47,7 +49,8 @@ class ReplicaService:
         self.manager = KVCacheManager(cfg, self.engine.page_layouts())
         log.info("%s", plan.describe(cfg.tokens_per_block, len(cfg.life_cycles)))
         self.engine.bind(self.manager)
-        self.model_id = settings.served_model_name or f"{self.engine.name}-byte-lm"
+        self.model_id = settings.served_model_name or _default_model_id(settings,
+                                                                         self.engine.name)
         self.max_model_len = min(settings.max_model_len or self.engine.max_model_len,
                                  self.engine.max_model_len)
         self.metrics = ReplicaMetrics(self.model_id)
@@ -172,7 +175,7 @@ class ReplicaService:
         return Sequence(id=request_id or uuid.uuid4().hex, prompt=tokens, max_tokens=max_tokens,
                         sampling=SamplingParams(req.temperature, req.top_p, req.seed),
                         scope=_scope(req.cache_salt),
-                        stop_token_ids=self.tokenizer.stop_token_ids)
+                        stop_token_ids=self.tokenizer.eos_token_ids)
 
     def submit(self, seq: Sequence) -> None:
         """Queue ``seq``; 429 when the admission queue is full."""
@@ -241,9 +244,26 @@ class ReplicaService:
 
     def _render(self, messages) -> list[int]:
         try:
-            return self.tokenizer.render_chat([ChatMessage(m.role, m.text()) for m in messages])
+            return self.tokenizer.render_chat(chat_messages(messages))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
+
+
+def chat_messages(messages) -> list[ChatMessage]:
+    """Wire messages (``ChatMessageIn``) as the tokenizers take them; ValueError for
+    content they cannot hold (parts other than text)."""
+    return [ChatMessage(m.role, m.parts(), m.name) for m in messages]
+
+
+def _default_model_id(settings: ReplicaSettings, engine: str) -> str:
+    """The checkpoint directory's name; a sim replica with ``--tokenizer`` is named after
+    the tokenizer's directory; else ``<engine>-byte-lm``."""
+    if settings.model is not None:
+        return Path(settings.model).resolve().name
+    if settings.tokenizer is not None:
+        path = Path(settings.tokenizer).resolve()
+        return f"{engine}-{(path.parent if path.is_file() else path).name}"
+    return f"{engine}-byte-lm"
 
 
 def _scope(cache_salt: str | None) -> ReuseScope:

@@ -28,6 +28,10 @@ class ReplicaSettings(BaseSettings):
     model: Optional[str] = None
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # default: float32
     served_model_name: Optional[str] = None  # default: the checkpoint directory's name
+    # A Hugging Face tokenizer (a directory with tokenizer.json, tokenizer_config.json,
+    # generation_config.json; or a tokenizer.json) instead of the checkpoint's: with --engine
+    # sim, a sim replica that tokenizes and renders chats as that model does.
+    tokenizer: Optional[str] = None
     # KV cache
     kv_pages: Optional[int] = Field(default=None, ge=1)  # per pool; unset: replicas/kv_sizing.py
     kv_memory_fraction: Optional[float] = Field(default=None, gt=0, le=1)
@@ -67,6 +71,10 @@ def _check_engine_fields(settings: ReplicaSettings) -> ReplicaSettings:
         raise ValueError(f"--model {settings.model!r} names a checkpoint for --engine torch; "
                          f"the {settings.engine!r} engine takes none (use --served-model-name "
                          "to choose the name it is served under)")
+    if settings.tokenizer is not None and settings.engine == "torch" and settings.model is None:
+        raise ValueError(f"--tokenizer {settings.tokenizer!r} with a seeded preset: the "
+                         "presets have the byte-level vocabulary; give --model DIR (its "
+                         "tokenizer is used) or --engine sim")
     if settings.dtype is not None and settings.model is None:
         raise ValueError("--dtype applies to a checkpoint (--model DIR); the seeded presets "
                          "run in float32")
