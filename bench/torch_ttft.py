@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)  # one per core: more only contends on a 2-core machine
     device = None if args.device == "auto" else args.device
-    engine = TorchEngine(args.preset, device=device, seed=args.seed)
+    engine = TorchEngine.from_preset(args.preset, device=device, seed=args.seed)
     pages = 2 * (args.prompt_tokens // args.tokens_per_block + 2)
     mgr = KVCacheManager(engine.cache_config(pages, args.tokens_per_block, True),
                          engine.page_layouts())

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from replicas.models.base import LAYER_KINDS, MixerContext, Paging
 from replicas.tokenizer import VOCAB_SIZE
-
-LAYER_KINDS = ("full", "sliding", "recurrent")
 
 
 @dataclass(frozen=True)
@@ -64,6 +62,13 @@ class ModelConfig:
         """Indices of the layers of ``kind``, bottom first."""
         return tuple(i for i, k in enumerate(self.layers) if k == kind)
 
+    def paging(self) -> Paging:
+        return Paging(layers=self.layers,
+                      windows=tuple(self.window if k == "sliding" else None for k in self.layers),
+                      n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+                      max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                      state_dim=self.d_model)
+
 
 PRESETS: dict[str, ModelConfig] = {
     # 4.33M parameters: a 2k-token prefill is ~26 GFLOP, far above Python overhead.
@@ -78,16 +83,6 @@ PRESETS: dict[str, ModelConfig] = {
                                n_heads=4, n_kv_heads=2, ffn_dim=128, window=24,
                                max_model_len=2048),
 }
-
-
-class MixerContext(Protocol):
-    """Where mixers find history. Tensors hold the new tokens of all sequences, packed."""
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q ``[T, H, hd]``, k/v ``[T, KV, hd]`` (RoPE applied) -> output ``[T, H, hd]``."""
-
-    def recur(self, layer: int, log_a: Tensor, b: Tensor) -> Tensor:
-        """States ``h_t = exp(log_a_t) * h_{t-1} + b_t`` for each new token, ``[T, D]``."""
 
 
 # --------------------------------------------------------------------------- pure math
@@ -207,7 +202,7 @@ class TinyLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.paging = cfg, cfg.paging()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(len(cfg.layers)))
         self.norm = nn.Parameter(torch.ones(cfg.d_model))

@@ -1,4 +1,5 @@
-"""Engines by name: ``sim`` (timing model) and ``torch`` (a real small transformer)."""
+"""Engines by name: ``sim`` (timing model) and ``torch`` (a transformer on the KV pages: a
+Hugging Face checkpoint with ``--model DIR``, else a seeded preset)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def make_engine(settings: ReplicaSettings) -> Engine:
     if settings.engine == "torch":
         from .torch_engine import TorchEngine  # imports torch only when asked for
 
+        if settings.model is not None:
+            return TorchEngine.from_checkpoint(settings.model, dtype=settings.dtype,
+                                               device=settings.device)
         overrides = {"max_model_len": settings.max_model_len} if settings.max_model_len else {}
-        return TorchEngine(preset=settings.preset, device=settings.device, seed=settings.seed,
-                           **overrides)
+        return TorchEngine.from_preset(settings.preset, device=settings.device,
+                                       seed=settings.seed, **overrides)
     raise ValueError(f"unknown engine {settings.engine!r}; use 'sim' or 'torch'")

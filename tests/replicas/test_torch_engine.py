@@ -27,7 +27,7 @@ ATOL = 1e-4
 
 
 def make(preset: str, pages: int = 64, **overrides) -> tuple[TorchEngine, KVCacheManager]:
-    engine = TorchEngine(preset, seed=3, **overrides)
+    engine = TorchEngine.from_preset(preset, seed=3, **overrides)
     mgr = KVCacheManager(engine.cache_config(pages, TPB, True), engine.page_layouts())
     engine.bind(mgr)
     return engine, mgr
@@ -81,7 +81,7 @@ def serve(engine, mgr, prompt, n_new=8, chunks=(), params=GREEDY, after_commit=l
      [(1, 2, TPB, 2, 16), (1, 2, TPB, 2, 16), (1, 64)]),
 ])
 def test_cache_config_and_layouts_follow_the_model(preset, life_cycles, shapes):
-    engine = TorchEngine(preset)
+    engine = TorchEngine.from_preset(preset)
     with pytest.raises(RuntimeError):
         engine.page_layouts()
     config = engine.cache_config(16, TPB, False)
@@ -94,12 +94,12 @@ def test_cache_config_and_layouts_follow_the_model(preset, life_cycles, shapes):
 
 
 def test_same_seed_same_weights_and_describe():
-    a, b = TorchEngine("tiny", seed=5), TorchEngine("tiny", seed=5)
+    a, b, c = (TorchEngine.from_preset("tiny", seed=seed) for seed in (5, 5, 6))
     assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
-    assert not torch.equal(a.model.head.weight, TorchEngine("tiny", seed=6).model.head.weight)
-    info = TorchEngine("default").describe()
+    assert not torch.equal(a.model.head.weight, c.model.head.weight)
+    info = TorchEngine.from_preset("default").describe()
     assert (info["engine"], info["preset"], info["parameters"]) == ("torch", "default", 4329728)
-    assert TorchEngine("tiny", max_model_len=100).max_model_len == 100
+    assert TorchEngine.from_preset("tiny", max_model_len=100).max_model_len == 100
 
 
 # -- reuse is exact ----------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""One engine step over the pages: what to read and write (``plan_batch``), and the
+``MixerContext`` the model runs with (``PagedContext``).
+
+The tokens of all items are packed in one ``[T]`` batch. For each attention pool, each
+item reads the pages of the blocks from its first visible position to its last new token::
+
+    pool's storage [num_pages, n_layers, 2, tpb, KV, hd]
+    item: start s, n new tokens, window W (full: W = inf)
+        lo = max(0, s + 1 - W)                  first position the first new token sees
+        reads  = block_table[lo // tpb .. (s + n - 1) // tpb]
+        writes = (page, slot) of positions s .. s + n - 1
+
+A layer first writes its new K/V, then reads keys ``lo .. s+n-1`` back from ``reads``
+(skipping ``lo % tpb`` slots), so earlier and new tokens come from one gather.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from replicas.engines.base import StepItem
+from replicas.model import linear_scan
+
+if TYPE_CHECKING:
+    from replicas.engines.torch_engine import TorchEngine
+
+
+@dataclass
+class SeqView:
+    """One item of a step, as index data (no reference to the cache)."""
+
+    start: int
+    length: int
+    reads: dict[int, tuple[int, int, int]]  # attention pool -> (lo, first, end) of read pages
+    live_page: int | None
+
+
+@dataclass
+class Batch:
+    seqs: list[SeqView]
+    tokens: Tensor  # [T] new tokens of all items, packed (on the device)
+    positions: Tensor  # [T]
+    last: Tensor  # [len(seqs)] index of each item's last token
+    writes: dict[int, tuple[Tensor, Tensor]]  # attention pool -> (page, slot) per token
+    read_pages: dict[int, Tensor]  # attention pool -> every item's read pages, concatenated
+    prefill_tokens: int
+
+
+def plan_batch(engine: TorchEngine, items: list[StepItem]) -> Batch:
+    """Read the items' block tables into index tensors, copied to the device in one go."""
+    attention = [pool for pool, kind in enumerate(engine.kinds) if kind != "recurrent"]
+    ints: dict[str, list[int]] = {"tokens": [], "positions": [], "last": []}
+    for pool in attention:
+        ints.update({f"page{pool}": [], f"slot{pool}": [], f"read{pool}": []})
+    seqs = [_plan_seq(engine, item, attention, ints) for item in items]
+    ints["last"] = list(itertools.accumulate(s.length for s in seqs))
+    ints["last"] = [end - 1 for end in ints["last"]]
+    sizes = [len(v) for v in ints.values()]
+    flat = torch.tensor(list(itertools.chain.from_iterable(ints.values())), dtype=torch.long)
+    parts = dict(zip(ints, flat.to(engine.device).split(sizes)))
+    return Batch(
+        seqs=seqs, tokens=parts["tokens"], positions=parts["positions"], last=parts["last"],
+        writes={pool: (parts[f"page{pool}"], parts[f"slot{pool}"]) for pool in attention},
+        read_pages={pool: parts[f"read{pool}"] for pool in attention},
+        prefill_tokens=sum(len(item.tokens) for item in items if item.is_prefill),
+    )
+
+
+def _plan_seq(engine: TorchEngine, item: StepItem, attention: list[int],
+              ints: dict[str, list[int]]) -> SeqView:
+    start, n, tpb = item.start, len(item.tokens), engine.tokens_per_block
+    end = start + n
+    ints["tokens"] += item.tokens
+    ints["positions"] += range(start, end)
+    reads = {}
+    for pool in attention:
+        window = engine.windows[pool]
+        lo = 0 if window is None else max(0, start + 1 - window)
+        pages = item.cache.block_table(pool)[lo // tpb: (end - 1) // tpb + 1]
+        if None in pages:
+            raise RuntimeError(f"{item.seq_id}: a page this step needs is gone (pool "
+                               f"{pool}, positions {lo}..{end - 1})")
+        first = len(ints[f"read{pool}"])
+        ints[f"read{pool}"] += pages
+        reads[pool] = (lo, first, first + len(pages))
+        base = lo // tpb
+        ints[f"page{pool}"] += (pages[p // tpb - base] for p in range(start, end))
+        ints[f"slot{pool}"] += (p % tpb for p in range(start, end))
+    live = None
+    if "recurrent" in engine.kinds:
+        live = item.cache.live_state_page(engine.kinds.index("recurrent"))
+        if live is None:
+            raise RuntimeError(f"{item.seq_id}: no live state page; resize() first")
+    return SeqView(start, n, reads, live)
+
+
+class PagedContext:
+    """``MixerContext`` over the pages: history from pages, new K/V and states into them.
+    Masks are built once per pool and step (every layer of a pool shares them)."""
+
+    def __init__(self, engine: TorchEngine, batch: Batch) -> None:
+        self._engine, self._batch = engine, batch
+        ends = list(itertools.accumulate(s.length for s in batch.seqs))
+        self._bounds = list(zip([0, *ends[:-1]], ends))
+        self._masks: dict[int, list[Tensor | None]] = {}
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        pool, slot = self._engine.slots[layer]
+        store = self._engine.storage[pool]
+        page, offset = self._batch.writes[pool]
+        store[page, slot, 0, offset] = k
+        store[page, slot, 1, offset] = v
+        masks = self._masks.get(pool) or self._build_masks(pool)
+        read_pages, tpb, out = self._batch.read_pages[pool], self._engine.tokens_per_block, []
+        for (a, e), seq, mask in zip(self._bounds, self._batch.seqs, masks):
+            lo, first, last = seq.reads[pool]
+            kv = store[read_pages[first:last], slot]  # [pages, 2, tpb, KV, hd]
+            skip, m = lo % tpb, seq.start + seq.length - lo
+            keys = kv[:, 0].flatten(0, 1)[skip:skip + m]
+            values = kv[:, 1].flatten(0, 1)[skip:skip + m]
+            out.append(F.scaled_dot_product_attention(
+                q[a:e].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                attn_mask=mask, enable_gqa=True).transpose(0, 1))
+        return torch.cat(out)
+
+    def _build_masks(self, pool: int) -> list[Tensor | None]:
+        """Per item: query i at ``start+i`` sees key j at ``lo+j`` when ``lo+j <= start+i``
+        and, in a window W, ``lo+j > start+i-W``. None for a single query (sees them all)."""
+        window, masks = self._engine.windows[pool], []
+        device = self._batch.positions.device
+        for (a, e), seq in zip(self._bounds, self._batch.seqs):
+            if seq.length == 1:
+                masks.append(None)
+                continue
+            lo = seq.reads[pool][0]
+            k_pos = torch.arange(lo, seq.start + seq.length, device=device)[None, :]
+            q_pos = self._batch.positions[a:e, None]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            masks.append(mask)
+        self._masks[pool] = masks
+        return masks
+
+    def recur(self, layer: int, log_a: Tensor, b: Tensor) -> Tensor:
+        pool, slot = self._engine.slots[layer]
+        store, out = self._engine.storage[pool], []
+        for (a, e), seq in zip(self._bounds, self._batch.seqs):
+            states = linear_scan(log_a[a:e], b[a:e], store[seq.live_page, slot])
+            store[seq.live_page, slot] = states[-1]
+            out.append(states)
+        return torch.cat(out)

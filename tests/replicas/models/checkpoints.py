@@ -1,0 +1,66 @@
+"""Tiny random Hugging Face checkpoints, generated in the test with transformers (the
+oracle; a dev dependency only): one per architecture and RoPE / window variant.
+
+Weights are drawn with a larger spread than transformers' default (``initializer_range``
+0.02 gives nearly uniform attention, under which a key missing from a window barely
+changes the output); 0.15 makes attention peaked enough that a window off by one token
+moves logits far beyond the 1e-4 tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 300
+WINDOW = 12
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name: (config class, its fields beyond COMMON)
+VARIANTS = {
+    "llama": (transformers.LlamaConfig, dict(num_hidden_layers=2)),
+    "llama-rope-llama3": (transformers.LlamaConfig, dict(
+        num_hidden_layers=2, rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "llama-rope-linear": (transformers.LlamaConfig, dict(
+        num_hidden_layers=2, rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                  factor=4.0))),
+    "qwen2": (transformers.Qwen2Config, dict(num_hidden_layers=2, tie_word_embeddings=True)),
+    # Qwen2's own sliding rule: layers from max_window_layers on slide.
+    "qwen2-sliding": (transformers.Qwen2Config, dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+        max_window_layers=1)),
+    "qwen3": (transformers.Qwen3Config, dict(
+        num_hidden_layers=4, head_dim=24, use_sliding_window=True, sliding_window=WINDOW,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                     "full_attention"])),
+    "mistral": (transformers.MistralConfig, dict(num_hidden_layers=2, sliding_window=WINDOW)),
+}
+
+# Each variant's pools: (kind, window, layers in the pool), in the engine's pool order.
+FULL2 = [("full", None, 2)]
+POOLS = {
+    "llama": FULL2, "llama-rope-llama3": FULL2, "llama-rope-linear": FULL2, "qwen2": FULL2,
+    "qwen2-sliding": [("full", None, 1), ("sliding", WINDOW, 2)],
+    "qwen3": [("full", None, 2), ("sliding", WINDOW, 2)],
+    "mistral": [("sliding", WINDOW, 2)],
+}
+
+
+def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
+    cls, fields = VARIANTS[variant]
+    return cls(**{**COMMON, **fields, **changes})
+
+
+def save_checkpoint(variant: str, directory: Path, seed: int = 0, **save_kwargs):
+    """Save a random ``variant`` to ``directory`` (safetensors); returns the model."""
+    torch.manual_seed(seed)
+    config = hf_config(variant)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
+    return model
