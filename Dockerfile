@@ -41,7 +41,10 @@ RUN pip install \
         "pyyaml>=6" \
         "numpy>=1.24" \
         "pybase64>=1.3" \
-        "orjson>=3.9"
+        "orjson>=3.9" \
+        "safetensors>=0.4" \
+        "tokenizers>=0.19" \
+        "jinja2>=3.1.6"
 
 # --------------------------------------------------------------------------- wheel
 # The project itself, built once for both images (no dependencies: those are above).

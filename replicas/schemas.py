@@ -10,6 +10,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .text.base import ChatMessage
+
 MAX_STOP_SEQUENCES = 4
 
 
@@ -47,6 +49,12 @@ class ChatMessageIn(_Request):
     def text(self) -> str:
         parts = self.parts()
         return "" if parts is None else parts if isinstance(parts, str) else "".join(parts)
+
+
+def chat_messages(messages: list[ChatMessageIn]) -> list[ChatMessage]:
+    """Wire messages as the tokenizers take them (the replica's and the router's alike);
+    ValueError for content they cannot hold (parts other than text)."""
+    return [ChatMessage(m.role, m.parts(), m.name) for m in messages]
 
 
 class _GenerationParams(_Request):

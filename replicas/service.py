@@ -29,10 +29,10 @@ from .kv_sizing import plan_kv_pages
 from .metrics import ReplicaMetrics
 from .scheduler import QueueFull, Scheduler, SchedulerConfig
 from .schemas import (ChatCompletionRequest, CompletionRequest, LoadSnapshot, ModelCard,
-                      ProbeRequest, _GenerationParams)
+                      ProbeRequest, _GenerationParams, chat_messages)
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .settings import ReplicaSettings
-from .text import ChatMessage, load_tokenizer
+from .text import load_tokenizer
 
 log = logging.getLogger("replicas")
 
@@ -247,12 +247,6 @@ class ReplicaService:
             return self.tokenizer.render_chat(chat_messages(messages))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
-
-
-def chat_messages(messages) -> list[ChatMessage]:
-    """Wire messages (``ChatMessageIn``) as the tokenizers take them; ValueError for
-    content they cannot hold (parts other than text)."""
-    return [ChatMessage(m.role, m.parts(), m.name) for m in messages]
 
 
 def _default_model_id(settings: ReplicaSettings, engine: str) -> str:

@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from replicas import jsonwire
 from replicas.errors import APIError, invalid
-from replicas.schemas import ChatCompletionRequest, CompletionRequest
-from replicas.tokenizer import ByteTokenizer, ChatMessage
+from replicas.schemas import ChatCompletionRequest, CompletionRequest, chat_messages
+from replicas.text import Tokenizer
 
 from .policies import RouteRequest, text_keys
 from .settings import RouterSettings
@@ -80,9 +80,9 @@ def tenant_salt(secret: str | None, api_key: str | None, client_salt: str | None
 
 
 class RequestBuilder:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None) -> None:
         self.settings = settings
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer  # None until known (loaded from a replica)
         self._session_header = settings.session_header.lower()
         # request ids: 128 random bits like uuid4().hex, without its getrandom() system
         # call per request (seeded from os.urandom; never from --seed, so ids never repeat
@@ -136,22 +136,26 @@ class RequestBuilder:
 
     def _token_bytes(self, req, kind: str) -> bytes:
         """The prompt's token ids as little-endian uint32 bytes (the wire form)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:  # none given, and no replica admitted yet to take it from
+            raise APIError(503, "no healthy replica yet (the router takes its tokenizer from "
+                           "the first one, or from --tokenizer DIR)", type="server_error",
+                           code="no_replica", headers={"Retry-After": "1"})
         if kind == "chat":
             try:
-                return self.tokenizer.render_chat_le32(
-                    [ChatMessage(m.role, m.text()) for m in req.messages])
+                return tokenizer.render_chat_le32(chat_messages(req.messages))
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         p = req.prompt
         text = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else None
         if text is not None:
             try:
-                return self.tokenizer.encode_le32(text)
+                return tokenizer.encode_le32(text)
             except ValueError as exc:
                 raise APIError(400, f"prompt: {exc}", param="prompt") from None
         first = p[0]
         ids = first if isinstance(first, list) else p
-        vocab = self.tokenizer.vocab_size
+        vocab = tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt has token id {bad}, outside the vocabulary "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from replicas import jsonwire
 from replicas.errors import APIError
-from replicas.tokenizer import ByteTokenizer
+from replicas.text import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_wire
 
 from .policies import Candidate, Decision, LoadInfo, make_policy
 from .pools import PoolWatcher
@@ -28,6 +28,8 @@ from .upstream import ProbeResult, Upstream
 
 log = logging.getLogger("router")
 decision_log = logging.getLogger("router.decisions")
+
+TOKENIZER_TIMEOUT_S = 60.0  # GET /tokenizer: a large vocabulary is megabytes of JSON
 
 
 @dataclass
@@ -73,8 +75,13 @@ class RetryBudget:
 class RouterService:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.tokenizer = ByteTokenizer()
-        self.builder = RequestBuilder(settings)
+        # --tokenizer's, else the first replica's (GET /tokenizer); --backend openai: none
+        # needed (bodies go through unchanged)
+        self.tokenizer: Tokenizer | None = (
+            load_tokenizer(settings.tokenizer) if settings.tokenizer is not None
+            else ByteTokenizer() if settings.backend == "openai" else None)
+        self._tokenizer_lock = asyncio.Lock()
+        self.builder = RequestBuilder(settings, self.tokenizer)
         self.policy = make_policy(settings.policy, seed=settings.seed)
         if self.policy.needs_probe and settings.backend == "openai":
             raise ValueError(f"policy {settings.policy!r} probes replicas, which --backend "
@@ -97,6 +104,13 @@ class RouterService:
     async def start(self) -> None:
         for url in self.settings.replicas:
             self.registry.add(url)
+        for replica in list(self.registry.replicas.values()):  # the first ready one's
+            if self.tokenizer is not None:
+                break
+            if (await self.upstream.is_ready(replica.url))[0]:
+                problem, _ = await self._load_tokenizer(replica)
+                if problem:
+                    log.warning("replica %s: %s", replica.url, problem)
         await asyncio.gather(*(self.check(r) for r in self.registry.replicas.values()))
         self._health_task = asyncio.create_task(self._health_loop(), name="health")
         if self.pools is not None:
@@ -176,7 +190,10 @@ class RouterService:
                 replica.health, replica.problem = Health.UNHEALTHY, why
             return
         if replica.model is None:
-            problem, final = await self._admission_problem(replica)
+            problem, final = (await self._load_tokenizer(replica) if self.tokenizer is None
+                              else ("", False))
+            if not problem:
+                problem, final = await self._admission_problem(replica)
             if problem and final:
                 replica.health, replica.problem = Health.REFUSED, problem
                 log.error("refusing replica %s: %s", replica.url, problem)
@@ -189,6 +206,32 @@ class RouterService:
             level = logging.WARNING if replica.health is Health.UNHEALTHY else logging.INFO
             log.log(level, "replica %s is healthy (model %s)", replica.url, replica.model)
         replica.health, replica.problem = Health.HEALTHY, ""
+
+    async def _load_tokenizer(self, replica: Replica) -> tuple[str, bool]:
+        """Take the replica's tokenizer as the router's (none known yet). Returns
+        ``_admission_problem``'s (problem, final): a broken answer refuses the replica; one
+        that could not be had leaves it for the next check."""
+        async with self._tokenizer_lock:  # checks run concurrently: one load
+            if self.tokenizer is not None:
+                return "", False
+            try:
+                status, body = await self.upstream.get_json(replica.url + "/tokenizer",
+                                                            TOKENIZER_TIMEOUT_S)
+            except (TimeoutError, OSError, ValueError) as exc:
+                return f"GET /tokenizer failed: {type(exc).__name__}: {exc}", False
+            if status == 404:  # a replica from before GET /tokenizer: byte-level
+                tokenizer: Tokenizer = ByteTokenizer()
+            elif status != 200 or not isinstance(body, dict):
+                return f"GET /tokenizer answered {status}", status < 500
+            else:
+                try:
+                    tokenizer = tokenizer_from_wire(body)
+                except ValueError as exc:
+                    return f"GET /tokenizer: {exc}", True
+            self.tokenizer = self.builder.tokenizer = tokenizer
+            log.info("tokenizer from %s: %s, fingerprint %s", replica.url, tokenizer.name,
+                     tokenizer.fingerprint)
+            return "", False
 
     async def _admission_problem(self, replica: Replica) -> tuple[str, bool]:
         """(problem, final): final problems refuse the replica for good; others (it could

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from replicas.settings import merge_settings, settings_from_argv
@@ -29,6 +29,10 @@ class RouterSettings(BaseSettings):
     policy: str = "prefix"
     seed: Optional[int] = None  # random tie-breaks; set for reproducible runs
     tokens_per_block: int = Field(default=32, ge=1)  # must match our replicas
+    # The replicas' Hugging Face tokenizer: a checkpoint directory (tokenizer.json,
+    # tokenizer_config.json, generation_config.json) or a tokenizer.json. Unset: loaded
+    # from the first replica that answers GET /tokenizer. Our back end only.
+    tokenizer: Optional[str] = None
     # probing
     probe_deadline_ms: float = Field(default=25.0, gt=0)
     probe_k: Optional[int] = Field(default=None, ge=0)  # replicas probed per request (None: all)
@@ -87,6 +91,14 @@ class RouterSettings(BaseSettings):
         if len(set(v)) != len(v):
             raise ValueError("a replica URL is listed twice")
         return v
+
+
+    @model_validator(mode="after")
+    def _tokenizer_for_our_backend(self) -> RouterSettings:
+        if self.tokenizer is not None and self.backend == "openai":
+            raise ValueError("--tokenizer applies to our replicas; --backend openai forwards "
+                             "bodies unchanged and tokenizes nothing")
+        return self
 
 
 def load_settings(cli: dict[str, Any], config_file: str | None = None) -> RouterSettings:
