@@ -163,9 +163,10 @@ def _refuse_unsupported(fields: _Fields) -> None:
 
 
 def _rope(fields: _Fields, max_position_embeddings: int) -> RopeConfig:
-    """``rope_parameters`` (transformers 5) or ``rope_scaling`` (older), with ``rope_theta``
-    and ``partial_rotary_factor`` at the top level as fallbacks."""
-    name = "rope_parameters" if fields.raw.get("rope_parameters") else "rope_scaling"
+    """``rope_scaling`` (older configs) or else ``rope_parameters`` (transformers 5; which
+    one wins when both are there is transformers' choice), with ``rope_theta`` and
+    ``partial_rotary_factor`` at the top level as fallbacks."""
+    name = "rope_scaling" if fields.raw.get("rope_scaling") else "rope_parameters"
     params = dict(fields.get(name, {}))
     if not isinstance(fields.get(name, {}), dict):
         raise fields.error(name, "must be a mapping")
