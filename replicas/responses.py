@@ -52,6 +52,8 @@ async def text_pieces(service: ReplicaService, seq: Sequence, stops: list[str] |
     checker = StopChecker(stops or [])
     async for event in service.events(seq):
         if isinstance(event, TokenEvent):
+            if event.token in seq.stop_token_ids:  # an eos id ends the text, never joins it
+                continue
             text, stopped = checker.feed(decoder.push(event.token))
             if stopped:
                 service.stop_sequence(seq)

@@ -7,6 +7,7 @@ admission. Real processes on loopback: sim replicas with ``--tokenizer``."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -119,3 +120,60 @@ def test_a_tokenizer_that_does_not_load_stops_the_router_at_start(tmp_path):
                          timeout=60)
     assert out.returncode == 2
     assert f"{tmp_path / 'tokenizer.json'} not found" in out.stderr
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama with the llama3-style tokenizer files in its directory, and the
+    greedy continuation transformers generates for ``CHAT``: ``generated`` (16 tokens, no
+    eos) and an id of it, ``stop_at``, that generation_config.json then names as eos."""
+    torch = pytest.importorskip("torch")
+    from tests.replicas.models.checkpoints import hf_config
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny-llama3"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config("llama", vocab_size=400)).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    ckpt.llama3(directory)  # tokenizer.json, tokenizer_config.json, generation_config.json
+    theirs = transformers.AutoTokenizer.from_pretrained(str(directory))
+    prompt = theirs.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    generated = out[0, len(prompt):].tolist()
+    stop_at = next(k for k in range(4, 16) if generated[k] not in generated[:k])
+    generation = json.loads((directory / "generation_config.json").read_text())
+    generation["eos_token_id"] = [generated[stop_at]]
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    return directory, theirs, prompt, generated, stop_at
+
+
+CHAT = [{"role": "system", "content": "Tiny model."},
+        {"role": "user", "content": "Write something, caf\u00e9 \U0001F600"}]
+
+
+def test_a_checkpoint_replica_through_the_router_stops_at_its_eos(checkpoint):
+    """``--engine torch --model DIR``: the router loads the checkpoint's tokenizer from the
+    replica, the prompt is apply_chat_template's, and greedy decoding ends where
+    transformers' ``generate`` ends with generation_config's eos id: the same text,
+    finish_reason "stop"."""
+    directory, theirs, prompt, generated, stop_at = checkpoint
+    want_text = theirs.decode(generated[:stop_at], skip_special_tokens=True)
+    with Proc("replicas", "--engine", "torch", "--model", str(directory), "--kv-pages", "64",
+              "--tokens-per-block", "8", "--log-level", "warning") as replica, \
+            Proc("router", "--replicas", replica.url, "--tokens-per-block", "8",
+                 "--log-level", "warning") as router:
+        card = httpx.get(replica.url + "/v1/models").json()["data"][0]
+        assert card["id"] == "tiny-llama3"
+        r = httpx.post(router.url + "/v1/chat/completions",
+                       json={"model": "tiny-llama3", "messages": CHAT, "temperature": 0,
+                             "max_tokens": 16}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert body["usage"]["completion_tokens"] == stop_at + 1  # with the eos
+        assert body["choices"][0] == {"index": 0, "finish_reason": "stop", "logprobs": None,
+                                      "message": {"role": "assistant", "content": want_text}}
+        assert httpx.post(replica.url + "/probe_reuse", json={"token_ids": prompt}).json()[
+            "num_tokens"] == len(prompt) - 1
