@@ -11,7 +11,7 @@ from replicas.settings import ReplicaSettings
 
 
 def test_page_bytes_sum_one_page_of_every_pool():
-    engine = TorchEngine("tiny-hybrid")
+    engine = TorchEngine.from_preset("tiny-hybrid")
     engine.cache_config(1, 16, True)
     # full and sliding pages: [1 layer, K/V, 16 tokens, 2 kv heads, 16] float32; recurrent
     # [1 layer, 64] float32.
@@ -24,7 +24,7 @@ def test_page_bytes_sum_one_page_of_every_pool():
 ])
 def test_explicit_pages_and_the_cpu_default(settings, pages, source):
     plan = plan_kv_pages(ReplicaSettings(engine="torch", preset="tiny", tokens_per_block=16,
-                                         **settings), TorchEngine("tiny"))
+                                         **settings), TorchEngine.from_preset("tiny"))
     assert plan.num_pages == pages and plan.source.startswith(source)
     assert plan.bytes_per_page == 2 * 2 * 16 * 2 * 16 * 4  # 2 layers of K/V in one pool
 
@@ -36,7 +36,7 @@ def test_engines_without_page_storage_get_the_default():
 
 def test_a_share_of_host_memory(monkeypatch):
     monkeypatch.setattr("replicas.kv_sizing._available_host_bytes", lambda: 10 * 2**20)
-    engine = TorchEngine("tiny")
+    engine = TorchEngine.from_preset("tiny")
     plan = plan_kv_pages(ReplicaSettings(engine="torch", tokens_per_block=16,
                                          kv_memory_fraction=0.5), engine)
     assert plan.num_pages == (5 * 2**20) // (2 * 2 * 16 * 2 * 16 * 4)  # 640 pages of 8 KiB
@@ -46,7 +46,7 @@ def test_too_little_memory_is_a_clear_error(monkeypatch):
     monkeypatch.setattr("replicas.kv_sizing._available_host_bytes", lambda: 4096)
     with pytest.raises(ValueError, match="no memory left for the KV cache"):
         plan_kv_pages(ReplicaSettings(engine="torch", tokens_per_block=16,
-                                      kv_memory_fraction=0.5), TorchEngine("tiny"))
+                                      kv_memory_fraction=0.5), TorchEngine.from_preset("tiny"))
 
 
 def test_the_service_builds_its_pools_from_the_plan(caplog):
