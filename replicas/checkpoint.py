@@ -120,7 +120,11 @@ def _read(path: Path, name: str, shape: torch.Size, dtype: torch.dtype,
         if found != tuple(shape):
             raise CheckpointError(f"{path}: tensor {name} has shape {list(found)}, config.json "
                                   f"implies {list(shape)}")
-        return f.get_tensor(name).to(dtype)
+        tensor = f.get_tensor(name)
+        # On the CPU, get_tensor may return a view of the file's mapping: copy it, so the
+        # model owns its memory and never depends on the file again (a file rewritten or
+        # truncated under a mapping reads garbage or raises SIGBUS).
+        return tensor.to(dtype, copy=tensor.device.type == "cpu")
 
 
 def _open(path: Path, device: torch.device | str = "cpu"):
