@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from replicas.text import (ByteTokenizer, ChatMessage, HFTokenizer, tokenizer_from_wire)
 from replicas.text.chat_template import TemplateRefused
@@ -281,3 +283,20 @@ def test_wire_form_builds_the_same_tokenizer(pairs):
     assert isinstance(byte, ByteTokenizer)
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
         tokenizer_from_wire({"kind": "sentencepiece"})
+
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, content=TEXT)
+def test_any_text_encodes_renders_and_streams_as_transformers(pairs, family, text, content):
+    ours, theirs = pairs[family]
+    assert ours.encode(text) == theirs.encode(text)
+    messages = [{"role": "user", "content": content}]
+    assert ours.render_chat(ours_messages(messages)) == oracle_chat(theirs, messages)
+    ids = ours.encode(text)
+    dec = ours.detokenizer()
+    pieces = [dec.push(t) for t in ids]
+    assert "".join(pieces) + dec.flush() == theirs.decode(ids, skip_special_tokens=True)
