@@ -57,10 +57,12 @@ def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
     return cls(**{**COMMON, **fields, **changes})
 
 
-def save_checkpoint(variant: str, directory: Path, seed: int = 0, **save_kwargs):
-    """Save a random ``variant`` to ``directory`` (safetensors); returns the model."""
+def save_checkpoint(variant: str, directory: Path, seed: int = 0, changes: dict | None = None,
+                    **save_kwargs):
+    """Save a random ``variant`` (its config with ``changes``) to ``directory``
+    (safetensors); returns the model."""
     torch.manual_seed(seed)
-    config = hf_config(variant)
+    config = hf_config(variant, **(changes or {}))
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
     return model
