@@ -50,6 +50,10 @@ class Batch:
     writes: dict[int, tuple[Tensor, Tensor]]  # attention pool -> (page, slot) per token
     read_pages: dict[int, Tensor]  # attention pool -> every item's read pages, concatenated
     prefill_tokens: int
+    # attention pool -> the one-token items attended together: (their token rows [D],
+    # their read pages padded to one width [D, P], which of those P*tpb keys each sees
+    # [D, 1, 1, P*tpb]); None when fewer than two items decode.
+    decode: dict[int, tuple[Tensor, Tensor, Tensor]] | None = None
 
 
 def plan_batch(engine: TorchEngine, items: list[StepItem]) -> Batch:
@@ -69,7 +73,31 @@ def plan_batch(engine: TorchEngine, items: list[StepItem]) -> Batch:
         writes={pool: (parts[f"page{pool}"], parts[f"slot{pool}"]) for pool in attention},
         read_pages={pool: parts[f"read{pool}"] for pool in attention},
         prefill_tokens=sum(len(item.tokens) for item in items if item.is_prefill),
+        decode=_plan_decode(engine, seqs, attention, ints),
     )
+
+
+def _plan_decode(engine: TorchEngine, seqs: list[SeqView], attention: list[int],
+                 ints: dict[str, list[int]]) -> dict[int, tuple[Tensor, Tensor, Tensor]] | None:
+    """Index data to attend every one-token item of a pool in one batched call: each one's
+    read pages padded (with page 0, masked out) to the widest, and its visible keys."""
+    rows = [i for i, seq in enumerate(seqs) if seq.length == 1]
+    if len(rows) < 2:
+        return None
+    tpb, device, out = engine.tokens_per_block, engine.device, {}
+    token_rows = torch.tensor([ints["last"][i] for i in rows], device=device)
+    for pool in attention:
+        reads = [seqs[i].reads[pool] for i in rows]
+        width = max(end - first for _, first, end in reads)
+        pages = torch.zeros((len(rows), width), dtype=torch.long)
+        visible = torch.zeros((len(rows), 1, 1, width * tpb), dtype=torch.bool)
+        read = ints[f"read{pool}"]
+        for r, (i, (lo, first, end)) in enumerate(zip(rows, reads)):
+            pages[r, :end - first] = torch.tensor(read[first:end])
+            base = lo - lo % tpb
+            visible[r, 0, 0, lo - base:seqs[i].start - base + 1] = True
+        out[pool] = (token_rows, pages.to(device), visible.to(device))
+    return out
 
 
 def _plan_seq(engine: TorchEngine, item: StepItem, attention: list[int],
@@ -120,8 +148,19 @@ class PagedContext:
         store[page, slot, 0, offset] = k
         store[page, slot, 1, offset] = v
         masks = self._masks.get(pool) or self._build_masks(pool)
-        read_pages, tpb, out = self._batch.read_pages[pool], self._engine.tokens_per_block, []
+        read_pages, tpb = self._batch.read_pages[pool], self._engine.tokens_per_block
+        out = torch.empty_like(q)
+        decode = self._batch.decode[pool] if self._batch.decode else None
+        if decode is not None:
+            rows, pages, visible = decode
+            kv = store[pages, slot]  # [D, P, 2, tpb, KV, hd]
+            keys = kv[:, :, 0].flatten(1, 2).transpose(1, 2)  # [D, KV, P*tpb, hd]
+            values = kv[:, :, 1].flatten(1, 2).transpose(1, 2)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows][:, :, None], keys, values, attn_mask=visible, enable_gqa=True)[:, :, 0]
         for (a, e), seq, mask in zip(self._bounds, self._batch.seqs, masks):
+            if decode is not None and seq.length == 1:
+                continue  # attended above, with the other one-token items
             lo, first, last = seq.reads[pool]
             kv = store[read_pages[first:last], slot]  # [pages, 2, tpb, KV, hd]
             skip, m = lo % tpb, seq.start + seq.length - lo
@@ -129,12 +168,11 @@ class PagedContext:
             values = kv[:, 1].flatten(0, 1)[skip:skip + m]
             # 4-D [1, heads, tokens, hd]: with 3-D inputs and a mask, CPU SDPA falls back to
             # its math kernel (~3x slower for a 2k-token prefill).
-            out.append(F.scaled_dot_product_attention(
+            out[a:e] = F.scaled_dot_product_attention(
                 q[a:e].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                 values.transpose(0, 1)[None], attn_mask=None if mask is _CAUSAL else mask,
-                is_causal=mask is _CAUSAL,
-                enable_gqa=True)[0].transpose(0, 1))
-        return torch.cat(out)
+                is_causal=mask is _CAUSAL, enable_gqa=True)[0].transpose(0, 1)
+        return out
 
     def _build_masks(self, pool: int) -> list[Tensor | None]:
         """Per item: query i at ``start+i`` sees key j at ``lo+j`` when ``lo+j <= start+i``
