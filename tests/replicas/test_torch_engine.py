@@ -9,6 +9,7 @@ from scratch in a fresh manager, and with the model's dense reference forward.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 from dataclasses import dataclass
@@ -22,12 +23,14 @@ from replicas.engines.torch_engine import TorchEngine, sample_token
 from replicas.model import reference_logits
 
 TPB = 8
+# bench/gpu_check.sh runs these on CUDA.
+DEVICE = os.environ.get("REPLICAS_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(temperature=0.0)
 ATOL = 1e-4
 
 
 def make(preset: str, pages: int = 64, **overrides) -> tuple[TorchEngine, KVCacheManager]:
-    engine = TorchEngine.from_preset(preset, seed=3, **overrides)
+    engine = TorchEngine.from_preset(preset, seed=3, device=DEVICE, **overrides)
     mgr = KVCacheManager(engine.cache_config(pages, TPB, True), engine.page_layouts())
     engine.bind(mgr)
     return engine, mgr

@@ -10,6 +10,7 @@ logits within 1e-4 of its forward, greedy continuations identical to ``generate`
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -22,13 +23,15 @@ from replicas.engines.torch_engine import TorchEngine
 from tests.replicas.models.checkpoints import POOLS, VARIANTS, VOCAB, WINDOW
 
 TPB = 8
+# bench/gpu_check.sh runs these on CUDA (our engine there; transformers stays the CPU oracle).
+DEVICE = os.environ.get("REPLICAS_TEST_DEVICE", "cpu")
 GREEDY = SamplingParams(temperature=0.0)
 ATOL = 1e-4
 N_NEW = 16
 
 
 def make(directory, pages: int = 96) -> tuple[TorchEngine, KVCacheManager]:
-    engine = TorchEngine.from_checkpoint(directory, device="cpu")
+    engine = TorchEngine.from_checkpoint(directory, device=DEVICE)
     mgr = KVCacheManager(engine.cache_config(pages, TPB, True), engine.page_layouts())
     engine.bind(mgr)
     return engine, mgr
@@ -106,7 +109,7 @@ def serve_one(engine, mgr, prompt, chunk: int = 16) -> Request:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_pools_and_pages_follow_the_config(checkpoint, variant):
     directory, hf = checkpoint(variant)
-    engine = TorchEngine.from_checkpoint(directory, device="cpu")
+    engine = TorchEngine.from_checkpoint(directory, device=DEVICE)
     life = {"full": FullAttention(), "sliding": SlidingWindow(window=WINDOW)}
     assert engine.cache_config(16, TPB, True).life_cycles == tuple(
         life[kind] for kind, _, _ in POOLS[variant])
