@@ -37,12 +37,22 @@ from .text import load_tokenizer
 log = logging.getLogger("replicas")
 
 
+def _check_vocabularies(tokenizer: int, model: int | None) -> None:
+    """A tokenizer with more ids than the model has embeddings would make the engine fail
+    on the first such id: refuse the pair at start-up."""
+    if model is not None and tokenizer > model:
+        raise ValueError(f"the tokenizer has {tokenizer} token ids but the model embeds only "
+                         f"{model}: ids {model}..{tokenizer - 1} would fail in the engine; "
+                         "serve the checkpoint with its own tokenizer")
+
+
 class ReplicaService:
     def __init__(self, settings: ReplicaSettings, engine: Engine | None = None) -> None:
         self.settings = settings
         # a checkpoint's tokenizer (or --tokenizer's), else byte-level
         self.tokenizer = load_tokenizer(settings.tokenizer or settings.model)
         self.engine = engine or make_engine(settings)
+        _check_vocabularies(self.tokenizer.vocab_size, self.engine.vocab_size)
         plan = plan_kv_pages(settings, self.engine)
         cfg = self.engine.cache_config(plan.num_pages, settings.tokens_per_block,
                                        settings.enable_partial_reuse)

@@ -76,5 +76,10 @@ class Engine(abc.ABC):
     def max_model_len(self) -> int:
         return 1 << 20
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids the model embeds (None: any the tokenizer makes, as the sim engine)."""
+        return None
+
     def describe(self) -> dict:
         return {"engine": self.name}

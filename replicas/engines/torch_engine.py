@@ -192,6 +192,10 @@ class TorchEngine(Engine):
     def max_model_len(self) -> int:
         return self.paging.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.paging.vocab_size
+
     def describe(self) -> dict:
         p = self.paging
         return {"engine": self.name, **self.info, "parameters": self.num_parameters,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,23 @@ def test_python_m_replicas_refuses_a_bad_checkpoint_before_listening(saved, tmp_
     assert main(["--engine", "torch", "--model", str(directory), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "cannot start" in err and "architecture 'GPT2LMHeadModel' is not supported" in err
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_listening(tmp_path):
+    """A checkpoint whose tokenizer.json has more ids than its embedding: python -m replicas
+    names both sizes and exits 2 (serving it would fail on the first such id)."""
+    from tests.replicas.hf_checkpoints import llama3
+    from tests.replicas.models.checkpoints import VOCAB, save_checkpoint
+
+    llama3(tmp_path)
+    save_checkpoint("llama", tmp_path)
+    from replicas.text import load_tokenizer
+
+    size = load_tokenizer(str(tmp_path)).vocab_size
+    assert size > VOCAB
+    out = subprocess.run([sys.executable, "-m", "replicas", "--engine", "torch", "--model",
+                          str(tmp_path), "--port", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert (f"the tokenizer has {size} token ids but the model embeds only {VOCAB}"
+            in out.stderr)
