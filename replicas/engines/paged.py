@@ -153,19 +153,19 @@ class PagedContext:
         decode = self._batch.decode[pool] if self._batch.decode else None
         if decode is not None:
             rows, pages, visible = decode
-            kv = store[pages, slot]  # [D, P, 2, tpb, KV, hd]
-            keys = kv[:, :, 0].flatten(1, 2).transpose(1, 2)  # [D, KV, P*tpb, hd]
-            values = kv[:, :, 1].flatten(1, 2).transpose(1, 2)
+            # K and V gathered apart: each gather is contiguous, so flattening is a view.
+            keys = store[pages, slot, 0].flatten(1, 2).transpose(1, 2)  # [D, KV, P*tpb, hd]
+            values = store[pages, slot, 1].flatten(1, 2).transpose(1, 2)
             out[rows] = F.scaled_dot_product_attention(
                 q[rows][:, :, None], keys, values, attn_mask=visible, enable_gqa=True)[:, :, 0]
         for (a, e), seq, mask in zip(self._bounds, self._batch.seqs, masks):
             if decode is not None and seq.length == 1:
                 continue  # attended above, with the other one-token items
             lo, first, last = seq.reads[pool]
-            kv = store[read_pages[first:last], slot]  # [pages, 2, tpb, KV, hd]
+            read = read_pages[first:last]
             skip, m = lo % tpb, seq.start + seq.length - lo
-            keys = kv[:, 0].flatten(0, 1)[skip:skip + m]
-            values = kv[:, 1].flatten(0, 1)[skip:skip + m]
+            keys = store[read, slot, 0].flatten(0, 1)[skip:skip + m]  # [m, KV, hd]
+            values = store[read, slot, 1].flatten(0, 1)[skip:skip + m]
             # 4-D [1, heads, tokens, hd]: with 3-D inputs and a mask, CPU SDPA falls back to
             # its math kernel (~3x slower for a 2k-token prefill).
             out[a:e] = F.scaled_dot_product_attention(
