@@ -1,5 +1,7 @@
 """A live replica process running the real (tiny) transformer, through the openai client."""
 
+import contextlib
+
 import httpx
 import openai
 import pytest
@@ -10,8 +12,10 @@ SHARED = [256] + [(7 * i) % 250 for i in range(143)]   # 144 tokens: 9 blocks of
 FOLLOW_UP = SHARED + [(11 * i) % 250 for i in range(20)]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
-def test_torch_replica_reuses_and_stays_exact(preset):
+@contextlib.contextmanager
+def torch_replica(preset: str):
+    """A replica of ``preset`` (16 tokens per block, prefill chunks of 64) and a greedy
+    ``complete(ids, salt, max_tokens)`` through the openai client."""
     with Proc("replicas", "--engine", "torch", "--preset", preset, "--kv-pages", "128",
               "--tokens-per-block", "16", "--max-batched-tokens", "64") as rep:
         client = openai.OpenAI(base_url=rep.url + "/v1", api_key="x", max_retries=0)
@@ -21,6 +25,12 @@ def test_torch_replica_reuses_and_stays_exact(preset):
             return client.completions.create(model=model, prompt=ids, max_tokens=max_tokens,
                                              temperature=0, extra_body={"cache_salt": salt})
 
+        yield rep, complete
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-hybrid"])
+def test_torch_replica_reuses_and_stays_exact(preset):
+    with torch_replica(preset) as (rep, complete):
         # The first request's prefill ends on a block boundary, so even the hybrid model
         # (recurrent snapshots, a 24-token sliding window) can reuse all of it.
         complete(SHARED, "a", 1)
@@ -43,15 +53,7 @@ def test_hybrid_replica_resumes_where_the_last_request_ended_inside_a_block():
     probe says so first, and greedy decoding matches a cold run."""
     first = [256] + [(5 * i + 3) % 250 for i in range(149)]
     follow_up = first + [(13 * i) % 250 for i in range(20)]
-    with Proc("replicas", "--engine", "torch", "--preset", "tiny-hybrid", "--kv-pages", "128",
-              "--tokens-per-block", "16", "--max-batched-tokens", "64") as rep:
-        client = openai.OpenAI(base_url=rep.url + "/v1", api_key="x", max_retries=0)
-        model = client.models.list().data[0].id
-
-        def complete(ids, salt, max_tokens):
-            return client.completions.create(model=model, prompt=ids, max_tokens=max_tokens,
-                                             temperature=0, extra_body={"cache_salt": salt})
-
+    with torch_replica("tiny-hybrid") as (rep, complete):
         assert complete(first, "a", 1).usage.prompt_tokens_details.cached_tokens == 0
         probe = httpx.post(rep.url + "/probe_reuse",
                            json={"token_ids": follow_up, "cache_salt": "a"}).json()
