@@ -153,9 +153,14 @@ class PagedContext:
         decode = self._batch.decode[pool] if self._batch.decode else None
         if decode is not None:
             rows, pages, visible = decode
-            # K and V gathered apart: each gather is contiguous, so flattening is a view.
-            keys = store[pages, slot, 0].flatten(1, 2).transpose(1, 2)  # [D, KV, P*tpb, hd]
-            values = store[pages, slot, 1].flatten(1, 2).transpose(1, 2)
+            # index_select on the layer's K (V) view: ~5x faster on the CPU than advanced
+            # indexing with the same result, and contiguous, so the reshape is a view.
+            d, width = pages.shape
+            flat = pages.flatten()
+            keys = (torch.index_select(store[:, slot, 0], 0, flat)
+                    .view(d, width * tpb, *store.shape[-2:]).transpose(1, 2))  # [D, KV, S, hd]
+            values = (torch.index_select(store[:, slot, 1], 0, flat)
+                      .view(d, width * tpb, *store.shape[-2:]).transpose(1, 2))
             out[rows] = F.scaled_dot_product_attention(
                 q[rows][:, :, None], keys, values, attn_mask=visible, enable_gqa=True)[:, :, 0]
         for (a, e), seq, mask in zip(self._bounds, self._batch.seqs, masks):
@@ -164,8 +169,8 @@ class PagedContext:
             lo, first, last = seq.reads[pool]
             read = read_pages[first:last]
             skip, m = lo % tpb, seq.start + seq.length - lo
-            keys = store[read, slot, 0].flatten(0, 1)[skip:skip + m]  # [m, KV, hd]
-            values = store[read, slot, 1].flatten(0, 1)[skip:skip + m]
+            keys = torch.index_select(store[:, slot, 0], 0, read).flatten(0, 1)[skip:skip + m]
+            values = torch.index_select(store[:, slot, 1], 0, read).flatten(0, 1)[skip:skip + m]
             # 4-D [1, heads, tokens, hd]: with 3-D inputs and a mask, CPU SDPA falls back to
             # its math kernel (~3x slower for a 2k-token prefill).
             out[a:e] = F.scaled_dot_product_attention(
