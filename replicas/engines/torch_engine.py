@@ -148,16 +148,17 @@ class TorchEngine(Engine):
         return list(self._compute(self._plan(items)).float().cpu())
 
     def _compute_and_sample(self, batch: Batch, items: list[StepItem]) -> list[int | None]:
-        """Greedy picks on the device (one small copy back); the rows that sample at a
-        temperature go to the CPU, where each sequence's seeded generator lives."""
+        """Every pick on the device, greedy or drawn from the sequence's own seeded
+        generator (kept on the device too); one copy of the picks back to the host."""
         logits = self._compute(batch)
+        picks = logits.argmax(-1)
         drawn = [i for i, item in enumerate(items)
                  if item.sample is not None and item.sample.temperature > 0]
-        rows = logits[drawn].float().cpu() if drawn else None
-        picks: list[int | None] = logits.argmax(-1).tolist()
-        for row, i in enumerate(drawn):
-            picks[i] = sample_token(rows[row], items[i].sample, items[i].state)
-        return [None if item.sample is None else pick for pick, item in zip(picks, items)]
+        if drawn:
+            picks[drawn] = torch.cat([draw(logits[i].float(), items[i].sample, items[i].state)
+                                      for i in drawn])
+        return [None if item.sample is None else pick
+                for pick, item in zip(picks.tolist(), items)]
 
     def _compute(self, batch: Batch) -> Tensor:
         """Last-position logits ``[len(items), V]``. Writes K/V and live states."""
@@ -229,13 +230,19 @@ def _check_item(item: StepItem, max_model_len: int) -> None:
 
 
 def sample_token(logits: Tensor, params: SamplingParams, state: dict) -> int:
-    """Greedy at temperature 0; else temperature + top-p (nucleus) sampling from a CPU
-    generator kept in ``state`` (seeded from ``params.seed``, or at random without one)."""
+    """Greedy at temperature 0; else ``draw``'s pick, as an int."""
     if params.temperature == 0:
         return int(logits.argmax())
+    return int(draw(logits, params, state))
+
+
+def draw(logits: Tensor, params: SamplingParams, state: dict) -> Tensor:
+    """Temperature + top-p (nucleus) sampling on ``logits``' device from a generator kept
+    in ``state`` (seeded from ``params.seed``, or at random without one): a 1-element
+    tensor, read by nobody until the step's picks go back to the host together."""
     gen = state.get("generator")
     if gen is None:
-        gen = torch.Generator()
+        gen = torch.Generator(device=logits.device)
         if params.seed is None:
             gen.seed()
         else:
@@ -245,4 +252,4 @@ def sample_token(logits: Tensor, params: SamplingParams, state: dict) -> int:
                                                                         stable=True)
     if params.top_p < 1:
         probs = probs * (probs.cumsum(0) - probs < params.top_p)  # smallest set reaching top_p
-    return int(order[torch.multinomial(probs, 1, generator=gen)])
+    return order[torch.multinomial(probs, 1, generator=gen)]

@@ -263,6 +263,29 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
     assert sample(11) != sample(12)
 
 
+def test_a_step_mixing_greedy_and_seeded_items_picks_as_each_would_alone():
+    """Greedy and drawn picks of one step come back together: each equals the item's own
+    pick from its last logits (argmax; a draw from a generator of the same seed)."""
+    prompts = [tokens(20 + i, 30 + 7 * i) for i in range(3)]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+              SamplingParams(temperature=1.3, seed=6)]
+    engine, mgr = make("tiny")
+    caches = [mgr.create_kv_cache(p[:-1]) for p in prompts]
+    for cache, prompt in zip(caches, prompts):
+        assert cache.resize(len(prompt))
+    items = [StepItem(f"s{i}", c, p, 0, sp, {}) for i, (c, p, sp) in
+             enumerate(zip(caches, prompts, params))]
+    picks = asyncio.run(engine.step(items))
+    logits = []
+    for prompt in prompts:
+        e, m = make("tiny")
+        cache = m.create_kv_cache(prompt[:-1])
+        assert cache.resize(len(prompt))
+        logits.append(e.forward_logits([StepItem("s", cache, prompt, 0, None)])[0])
+    expected = [sample_token(row, sp, {}) for row, sp in zip(logits, params)]
+    assert picks == expected
+
+
 def test_steps_compute_off_the_event_loop_and_measure_the_prefill_rate():
     engine, mgr = make("tiny")
     threads = []
