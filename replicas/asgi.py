@@ -19,7 +19,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from .errors import APIError, error_headers, too_large
 
@@ -117,7 +117,12 @@ def document(app: FastAPI, method: str, path: str, **route) -> None:
     """Declare a route answered by ``HotRoutes`` so that the OpenAPI document shows it
     (``route``: FastAPI's ``response_model``, ``responses``, ``openapi_extra`` ...)."""
 
-    async def answered_by_hot_routes() -> None:
-        raise RuntimeError(f"{method} {path} is answered in front of the app, not by it")
+    async def answered_by_hot_routes(request: Request) -> None:
+        # The route in front of the app matches the raw path; the app matches the decoded
+        # one. Reaching here means the raw path was another resource that decodes to this
+        # one (``/v1/chat%2Fcompletions``): there is no such route.
+        raw = request.scope.get("raw_path", b"").decode("latin-1")
+        raise APIError(404, f"no route {method} {raw}", type="not_found_error",
+                       code="not_found")
 
     app.add_api_route(path, answered_by_hot_routes, methods=[method], **route)

@@ -141,3 +141,23 @@ def test_unknown_fields_pass_through(live):
     r = httpx.post(live[0].url + "/v1/completions", json={
         "prompt": "abc", "max_tokens": 1, "ignore_eos": True, "vendor": {"x": [1]}})
     assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat%2Fcompletions", "/v1%2Fcompletions"])
+def test_an_encoded_slash_is_another_path_not_the_endpoint(live, path):
+    """Raw bytes over a socket (a client library would normalise the path): the router's
+    native routes match the raw path, its app the decoded one, where the proxy endpoints
+    are only documented; the encoded form is no route (it was a 500)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(live[0].url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 2\r\nConnection: close\r\n\r\n{{}}".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 404 Not Found"
+    assert json.loads(body)["error"]["code"] == "not_found"
