@@ -9,6 +9,8 @@ TORCH ?= torch==2.13.0
 .PHONY: setup run demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "$(PYTHON) is Python $$($(PYTHON) -c 'import platform; print(platform.python_version())'); this project needs 3.11 or newer: make PYTHON=python3.11 ..." >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
