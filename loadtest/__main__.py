@@ -16,7 +16,14 @@ from . import compare_cli, simulate_cli
 from .cluster import LocalCluster
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
+    # SIGTERM (a supervisor, `kill`, docker stop) ends the cluster as Ctrl-C does: every
+    # process it started is stopped on the way out of the `with` below.
+    signal.signal(signal.SIGTERM, _interrupt)
     engine = "torch" if args.model else args.engine
     replica_args = ["--engine", engine, *(["--model", args.model] if args.model else []),
                     *shlex.split(args.replica_args)]
@@ -36,11 +43,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
               f"{demo.headers.get('x-replica')}:\n{json.dumps(body, indent=2)}")
         print(f"\ntry: curl {url}/v1/chat/completions -H 'content-type: application/json' "
               "-d '{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'")
-        if args.seconds is not None:
-            time.sleep(args.seconds)
-            return 0
-        print("Ctrl-C stops the cluster.", flush=True)
         try:
+            if args.seconds is not None:
+                time.sleep(args.seconds)
+                return 0
+            print("Ctrl-C (or SIGTERM) stops the cluster.", flush=True)
             signal.pause()
         except KeyboardInterrupt:
             pass
