@@ -13,9 +13,11 @@ and parses the answer on an ``asyncio.Protocol`` as it arrives:
 - bodies framed by ``Content-Length``, ``Transfer-Encoding: chunked`` (how uvicorn streams
   SSE) or the end of the connection; TLS through the event loop's own support;
 - at most ``max_idle_per_host`` idle connections are kept per server (the newest), idle
-  ones are dropped after ``keepalive_s`` (below uvicorn's 5 s), and a
-  request whose reused connection turns out to have been closed by the server before any
-  byte of the answer came back is sent once more on a fresh connection;
+  ones are dropped after ``keepalive_s`` (below uvicorn's 5 s), and a request that is safe
+  to repeat (GET, HEAD, or one the caller marks ``repeatable``, as the router's probes)
+  whose reused connection turns out to have been closed by the server before any byte of
+  the answer came back is sent once more on a fresh connection; any other request fails
+  with ``UpstreamClosed`` (the server may have read it: a completion must not run twice);
 - a reader that falls behind pauses reading from the socket (``max_buffer`` bytes), so a
   slow client never makes the router buffer a whole answer.
 
@@ -35,6 +37,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
+_REPEATABLE = frozenset({"GET", "HEAD"})
 MAX_CHUNK_LINE = 1024
 
 # body framing
@@ -479,8 +482,15 @@ class Client:
     # -- requests ----------------------------------------------------------------------
 
     async def request(self, method: str, base_url: str, path: str, body: bytes = b"",
-                      headers: dict[str, str] | None = None) -> Response:
-        """Send a request and wait for the head of its answer (status and headers)."""
+                      headers: dict[str, str] | None = None,
+                      repeatable: bool | None = None) -> Response:
+        """Send a request and wait for the head of its answer (status and headers).
+
+        ``repeatable``: whether the request may be sent once more on a fresh connection
+        when its pooled connection closes before any byte of the answer (the server may
+        have read it: a completion would run twice). Default: GET and HEAD only."""
+        if repeatable is None:
+            repeatable = method in _REPEATABLE
         data = self.encode(method, base_url, path, body, headers)
         for attempt in (0, 1):
             response = self.start(method, base_url, data) if attempt == 0 else None
@@ -492,7 +502,7 @@ class Client:
                 await self._head(response)
                 return response
             except UpstreamClosed:
-                if attempt == 0 and reused and not response.got_bytes:
+                if attempt == 0 and reused and not response.got_bytes and repeatable:
                     continue  # the server closed the idle connection as we sent: again, fresh
                 raise
             except BaseException:
@@ -508,9 +518,10 @@ class Client:
         return conn.send(method, data) if conn is not None else None
 
     async def fetch(self, method: str, base_url: str, path: str, body: bytes = b"",
-                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+                    headers: dict[str, str] | None = None,
+                    repeatable: bool | None = None) -> tuple[int, bytes]:
         """A whole answer: (status, body)."""
-        response = await self.request(method, base_url, path, body, headers)
+        response = await self.request(method, base_url, path, body, headers, repeatable)
         try:
             return response.status, await response.read()
         finally:

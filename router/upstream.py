@@ -83,7 +83,8 @@ class Upstream:
                     sent.append((url, response))
                 else:
                     task = loop.create_task(client.fetch("POST", url, "/probe_reuse", body,
-                                                         self._probe_headers))
+                                                         self._probe_headers,
+                                                         repeatable=True))  # read-only
                     task.add_done_callback(one_done)
                     opening.append((url, task))
             if remaining:

@@ -216,6 +216,27 @@ def test_a_pooled_connection_the_server_closed_is_retried_on_a_fresh_one():
     assert run(go()) == ((200, b"1"), (200, b"1"), 2, 3)
 
 
+@pytest.mark.parametrize("repeatable, outcome", [(None, "error"), (True, "sent again")])
+def test_a_post_on_a_pooled_connection_closed_unanswered_is_not_sent_twice(repeatable,
+                                                                           outcome):
+    """The server reads the second POST of a connection, then closes without answering: it
+    may have run it, so the client must not send it again (a completion would run twice)
+    unless the caller says the request is safe to repeat (a probe)."""
+    async def go():
+        async with Scripted([ok(b"1"), None]) as srv:
+            client = Client()
+            assert await client.fetch("POST", srv.url, "/v1/completions", b"{}") == (200, b"1")
+            try:
+                got = await client.fetch("POST", srv.url, "/v1/completions", b"{}",
+                                         repeatable=repeatable)
+            except UpstreamClosed:
+                got = "error"
+            posts = [r for r in srv.requests if r.startswith(b"POST /v1/completions")]
+            return got, len(posts), srv.connections
+    want = ("error", 2, 1) if outcome == "error" else ((200, b"1"), 3, 2)
+    assert run(go()) == want
+
+
 def test_a_fresh_connection_closed_without_an_answer_is_an_error():
     async def go():
         async with Scripted([None]) as srv:
