@@ -71,13 +71,15 @@ class _Refuse(Exception):
 
 class _Request:
     __slots__ = ("method", "url", "headers", "parts", "size", "keep_alive", "head_request",
-                 "http10")
+                 "http10", "trailer_size")
 
     def __init__(self) -> None:
+        self.method: bytes | None = None  # set once the head is complete
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.parts: list[bytes] = []
         self.size = 0  # head bytes while the head is read, then body bytes
+        self.trailer_size = 0
 
 
 class HTTPServer:
@@ -282,6 +284,14 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         req = self.req
+        if req.method is not None:
+            # A trailer field of a chunked body: dropped (RFC 9110 lets a recipient discard
+            # trailers; taking them as headers would let a body smuggle them), bounded alone.
+            req.trailer_size += len(name) + len(value)
+            if req.trailer_size > MAX_HEAD_BYTES:
+                raise _Refuse(APIError(431, f"request trailers larger than {MAX_HEAD_BYTES} "
+                                            "bytes"))
+            return
         req.headers.append((name.lower(), value))
         req.size += len(name) + len(value)
         if req.size > MAX_HEAD_BYTES:

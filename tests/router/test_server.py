@@ -137,6 +137,30 @@ def test_a_chunked_request_body_arrives_whole():
     run(main())
 
 
+def test_a_large_chunked_body_with_a_trailer_arrives_and_the_trailer_is_no_header():
+    """A chunked body over 64 KiB, then a trailer: the body arrives whole (it was a 431:
+    trailers were counted against the head after the body), and the trailer field does not
+    become a request header; trailers over 64 KiB are refused on their own."""
+    async def main():
+        async with serving(max_body_bytes=1 << 20) as (_, port):
+            reader, writer = await connect(port)
+            part = b"x" * 40_000
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + b"%x\r\n%s\r\n" % (len(part), part) * 2
+                         + b"0\r\nauthorization: Bearer smuggled\r\n\r\n")
+            status, _, body = await read_response(reader)
+            seen = json.loads(body)
+            assert (status, len(seen["body"])) == (200, 80_000)
+            assert "authorization" not in [name for name, _ in seen["headers"]]
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"1\r\nx\r\n0\r\n" + b"x-pad: %s\r\n" % (b"y" * 1000) * 70 + b"\r\n")
+            status, _, body = await read_response(reader)
+            assert (status, json.loads(body)["error"]["message"]) == \
+                (431, "request trailers larger than 65536 bytes")
+            writer.close()
+    run(main())
+
+
 def test_a_streamed_response_is_chunked_and_each_part_leaves_when_sent():
     release = None
 
