@@ -185,6 +185,7 @@ class _Connection(asyncio.Protocol):
         self.last_active = time.monotonic()
         self.closed = False
         self.refused = False  # an unreadable request was refused: nothing more is read
+        self.last_request_read = False  # it said Connection: close (or was HTTP/1.0)
         self.req: _Request | None = None  # being read
         self.waiting: deque[_Request] = deque()  # read, behind the one being answered
         self.task: asyncio.Task | None = None  # answering a request
@@ -239,8 +240,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
-        if self.refused:
-            return
+        if self.refused or self.last_request_read:
+            return  # read and dropped until the close
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -249,7 +250,8 @@ class _Connection(asyncio.Protocol):
                 raise
             self._refuse(refused.err)
         except httptools.HttpParserError as exc:
-            self._refuse(APIError(400, f"malformed HTTP request: {exc}"))
+            if not self.last_request_read:  # else: bytes after the last request, dropped
+                self._refuse(APIError(400, f"malformed HTTP request: {exc}"))
 
     def _refuse(self, err: APIError) -> None:
         """Answer an unreadable request and close: what follows it cannot be framed. Until
@@ -314,7 +316,8 @@ class _Connection(asyncio.Protocol):
                 raise _Refuse(too_large(limit))
             if name == b"expect" and value.lower() == b"100-continue":
                 expect = True
-        if expect and self.task is None and not self.waiting:
+        # HTTP/1.0 has no 100 Continue: such a client sends its body anyway
+        if expect and not req.http10 and self.task is None and not self.waiting:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -326,6 +329,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         req, self.req = self.req, None
+        # After a request that ends the connection (Connection: close, HTTP/1.0) nothing
+        # more is a request: the parser would call it malformed and earn it a second answer.
+        self.last_request_read = not req.keep_alive
         if self.task is None:
             self._answer(req)
         else:  # pipelined: answered when the one before it is; read no further till then

@@ -279,6 +279,30 @@ def test_expect_100_continue():
     run(main())
 
 
+def test_an_http10_client_gets_no_100_continue():
+    async def main():
+        async with serving() as (_, port):
+            reader, writer = await connect(port)
+            writer.write(b"POST /echo HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n"
+                         b"expect: 100-continue\r\n\r\nok")
+            data = await reader.read()  # HTTP/1.0: the answer, then the close
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"100 Continue" not in data
+            writer.close()
+    run(main())
+
+
+def test_bytes_after_a_connection_close_request_get_no_second_answer():
+    async def main():
+        async with serving() as (_, port):
+            reader, writer = await connect(port)
+            writer.write(request("POST", "/echo", b"{}", "connection: close\r\n")
+                         + b"GET /garbage HTTP/1.1\r\nhost: x\r\n\r\n")
+            data = await reader.read()  # until the server closes
+            assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 200 OK")
+            writer.close()
+    run(main())
+
+
 def test_a_client_that_leaves_cancels_its_route_and_an_asgi_app_hears_it():
     cancelled = None
     disconnect = None
