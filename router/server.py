@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import logging
+import re
 import signal
 import time
 import urllib.parse
@@ -47,6 +48,8 @@ Send = Callable[[dict], Awaitable[None]]
 Handler = Callable[[list[tuple[bytes, bytes]], bytes, Send], Awaitable[None]]
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers together
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a field name (RFC 9110 token)
+_BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _NO_BODY = frozenset((204, 304)) | frozenset(range(100, 200))
 _REASONS: dict[int, bytes] = {}
 
@@ -370,6 +373,7 @@ class _Connection(asyncio.Protocol):
 
     def _response_for(self, head_request: bool, keep_alive: bool, http10: bool = False) -> None:
         self._head = b""
+        self._unsent: int | None = None  # body bytes the declared Content-Length still owes
         self._started = self._finished = self._chunked = False
         self._head_request, self._keep_alive, self._http10 = head_request, keep_alive, http10
 
@@ -438,6 +442,15 @@ class _Connection(asyncio.Protocol):
                 raise RuntimeError("http.response.body outside a response")
             body = message.get("body", b"")
             more = message.get("more_body", False)
+            if self._unsent is not None:  # framed by the Content-Length the app declared
+                self._unsent -= len(body)
+                if self._unsent < 0:
+                    self._keep_alive = False
+                    raise RuntimeError("response body longer than its Content-Length")
+                if not more and self._unsent:
+                    log.error("response body %d bytes short of its Content-Length: the "
+                              "connection closes after it", self._unsent)
+                    self._keep_alive = False
             if self._head_request:
                 body = b""
             elif self._chunked:
@@ -454,16 +467,19 @@ class _Connection(asyncio.Protocol):
         elif kind == "http.response.start":
             if self._started:
                 raise RuntimeError("http.response.start sent twice")
-            self._started = True
             status = message["status"]
             head = [_status_line(status), self.server.date_header]
             length = False
             for name, value in message.get("headers", ()):
-                if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
-                    raise ValueError(f"header {name!r} has a line break")
+                if not _TOKEN.fullmatch(name) or _BAD_VALUE.search(value):
+                    raise ValueError(f"response header {name!r}: {value!r} is not a valid "
+                                     "field (a token name; a value without CR, LF or NUL)")
                 low = name.lower()
                 if low == b"content-length":
+                    if not value.isdigit():
+                        raise ValueError(f"response Content-Length {value!r} is not a number")
                     length = True
+                    self._unsent = None if self._head_request else int(value)
                 elif low in (b"connection", b"transfer-encoding"):
                     continue  # framing is this server's
                 head += (name, b": ", value, b"\r\n")
@@ -474,5 +490,6 @@ class _Connection(asyncio.Protocol):
                 head.append(b"connection: close\r\n")
             head.append(b"\r\n")
             self._head = b"".join(head)
+            self._started = True  # after the checks: a refused head leaves room for a 500
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")

@@ -5,6 +5,8 @@ import contextlib
 import json
 import socket
 
+import pytest
+
 from replicas.errors import APIError
 from router.server import MAX_HEAD_BYTES, HTTPServer
 
@@ -301,6 +303,42 @@ def test_bytes_after_a_connection_close_request_get_no_second_answer():
             assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 200 OK")
             writer.close()
     run(main())
+
+
+async def _declares(length: bytes, body: bytes, send, name: bytes = b"x-ok") -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", length), (name, b"v\x00" if name == b"x-nul"
+                                                             else b"v")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("route, first", [
+    # a body longer than its Content-Length: nothing is sent (the head waits for the first
+    # body part) and the connection closes, rather than bytes read as the next answer
+    (lambda h, b, send: _declares(b"3", b"toolong", send), b""),
+    # shorter: sent, and the connection closes (the client sees it cut, not a desync)
+    (lambda h, b, send: _declares(b"10", b"short", send), b"HTTP/1.1 200 OK"),
+    # a header value with NUL, or a name that is no token: a 500, never a broken head
+    (lambda h, b, send: _declares(b"2", b"ok", send, b"x-nul"), b"HTTP/1.1 500"),
+    (lambda h, b, send: _declares(b"2", b"ok", send, b"bad name"), b"HTTP/1.1 500"),
+])
+def test_a_response_that_breaks_its_own_framing_is_never_sent_as_valid(route, first):
+    async def main():
+        async with serving({("POST", "/r"): route}) as (_, port):
+            reader, writer = await connect(port)
+            # pipelined; the second asks to close, so a good first answer ends in one
+            writer.write(request("POST", "/r") + request("POST", "/r", b"",
+                                                         "connection: close\r\n"))
+            data = await asyncio.wait_for(reader.read(), 10)  # until the server closes
+            writer.close()
+            return data
+    data = run(main())
+    assert data.startswith(first)
+    if first in (b"", b"HTTP/1.1 200 OK"):  # framing broken: closed, nothing more answered
+        assert data.count(b"HTTP/1.1 ") == (first != b"")
+    else:  # a well-framed 500 each: the connection could go on
+        assert data.count(b"HTTP/1.1 500 ") == 2
+    assert b"toolong" not in data and b"\x00" not in data
 
 
 def test_a_client_that_leaves_cancels_its_route_and_an_asgi_app_hears_it():
