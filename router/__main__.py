@@ -23,7 +23,10 @@ async def serve(settings: RouterSettings, app: RouterApp) -> None:
     await app.service.start()
     try:
         server = HTTPServer(app.asgi, app.routes, settings.max_body_bytes,
-                            keepalive_s=settings.keepalive_s, grace_s=settings.shutdown_grace_s)
+                            keepalive_s=settings.keepalive_s, grace_s=settings.shutdown_grace_s,
+                            head_timeout_s=settings.head_timeout_s,
+                            body_timeout_s=settings.body_timeout_s,
+                            max_connections=settings.max_connections)
         await server.serve(settings.host, settings.port)
     finally:
         await app.service.stop()

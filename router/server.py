@@ -48,6 +48,12 @@ Send = Callable[[dict], Awaitable[None]]
 Handler = Callable[[list[tuple[bytes, bytes]], bytes, Send], Awaitable[None]]
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers together
+_TOO_MANY_BODY = (b'{"error": {"message": "too many connections", "type": "server_error", '
+                  b'"param": null, "code": "too_many_connections"}}')
+_TOO_MANY_CONNECTIONS = (  # written as a connection past max_connections is accepted
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%b"
+    % (len(_TOO_MANY_BODY), _TOO_MANY_BODY))
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a field name (RFC 9110 token)
 _BAD_VALUE = re.compile(rb"[\r\n\x00]")
 _NO_BODY = frozenset((204, 304)) | frozenset(range(100, 200))
@@ -74,7 +80,7 @@ class _Refuse(Exception):
 
 class _Request:
     __slots__ = ("method", "url", "headers", "parts", "size", "keep_alive", "head_request",
-                 "http10", "trailer_size")
+                 "http10", "trailer_size", "begun", "progressed")
 
     def __init__(self) -> None:
         self.method: bytes | None = None  # set once the head is complete
@@ -87,13 +93,20 @@ class _Request:
 
 class HTTPServer:
     def __init__(self, app, routes: dict[tuple[str, str], Handler], max_body_bytes: int,
-                 keepalive_s: float = 75.0, grace_s: float = 30.0) -> None:
+                 keepalive_s: float = 75.0, grace_s: float = 30.0, head_timeout_s: float = 10.0,
+                 body_timeout_s: float = 30.0, max_connections: int = 10_000) -> None:
         """``app``: the ASGI app for every request ``routes`` (``(method, path)``) does not
         answer."""
         self.app = app
         self.routes = {(m.encode(), p.encode()): h for (m, p), h in routes.items()}
         self.max_body_bytes = max_body_bytes
         self.keepalive_s = keepalive_s
+        # Against clients that hold connections by sending slowly (each byte restarts the
+        # idle timer): a request head must be complete this long after its first byte, a
+        # body must make progress this often, and connections past the cap are refused.
+        self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_connections = max_connections
         self.grace_s = grace_s
         self.connections: set[_Connection] = set()
         self.stopping = False
@@ -169,9 +182,12 @@ class HTTPServer:
         while True:
             await asyncio.sleep(1.0)
             self._refresh_date()
-            cutoff = time.monotonic() - self.keepalive_s
+            now = time.monotonic()
+            cutoff = now - self.keepalive_s
             for conn in list(self.connections):
-                if not conn.busy and conn.last_active < cutoff:
+                if conn.req is not None:
+                    conn.check_progress(now)
+                elif not conn.busy and conn.last_active < cutoff:
                     conn.close()
 
 
@@ -210,7 +226,24 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         self.client = transport.get_extra_info("peername")
         self.local = transport.get_extra_info("sockname")
+        if len(self.server.connections) >= self.server.max_connections:
+            self.refused = True
+            transport.write(_TOO_MANY_CONNECTIONS)
+            transport.close()
+            return
         self.server.connections.add(self)
+
+    def check_progress(self, now: float) -> None:
+        """A request being read: refuse it (408) if its head or body is too slow."""
+        req, server = self.req, self.server
+        if self.refused or self.closed:
+            return
+        if req.method is None and now - req.begun > server.head_timeout_s:
+            self._refuse(APIError(408, f"request head not complete within "
+                                       f"{server.head_timeout_s:g} s", code="request_timeout"))
+        elif req.method is not None and now - req.progressed > server.body_timeout_s:
+            self._refuse(APIError(408, f"request body made no progress for "
+                                       f"{server.body_timeout_s:g} s", code="request_timeout"))
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -279,6 +312,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.req = _Request()
+        self.req.begun = self.req.progressed = self.last_active
 
     def on_url(self, url: bytes) -> None:
         req = self.req
@@ -311,6 +345,7 @@ class _Connection(asyncio.Protocol):
         # HTTP/1.0: one request per connection, a body without a length ends at the close
         req.keep_alive = parser.should_keep_alive() and not req.http10
         req.head_request = req.method == b"HEAD"
+        req.progressed = self.last_active
         req.size = 0
         expect = False
         limit = self.server.max_body_bytes
@@ -325,6 +360,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         req = self.req
+        req.progressed = self.last_active
         req.parts.append(body)
         req.size += len(body)
         if req.size > self.server.max_body_bytes:

@@ -56,6 +56,12 @@ class RouterSettings(BaseSettings):
     # requests still running get this long to finish
     keepalive_s: float = Field(default=75.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # against slow clients holding connections: a request head must be complete this long
+    # after its first byte, a body must progress this often (else 408), and connections
+    # past the cap get a 503 and are closed
+    head_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=10_000, ge=1)
     max_prompt_tokens: Optional[int] = Field(default=None, ge=1)
     # security
     admin_token: Optional[str] = None  # admin endpoints are off unless set

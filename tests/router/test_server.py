@@ -341,6 +341,71 @@ def test_a_response_that_breaks_its_own_framing_is_never_sent_as_valid(route, fi
     assert b"toolong" not in data and b"\x00" not in data
 
 
+async def _trickle(writer, reader, data: bytes) -> bytes:
+    """Send ``data`` a byte at a time (20 ms apart) until the server answers or closes;
+    bounded by ``data``'s length. Returns what the server sent."""
+    for i in range(len(data)):
+        writer.write(data[i:i + 1])
+        try:
+            got = await asyncio.wait_for(reader.read(65536), 0.02)
+        except asyncio.TimeoutError:
+            continue
+        return got + await reader.read()
+    return b""
+
+
+@pytest.mark.parametrize("prefix, trickled, message", [
+    (b"", b"POST /echo HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 400,
+     b"request head not complete within 0.3 s"),
+    (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 400\r\n\r\n", None,
+     b"request body made no progress for 0.3 s"),
+])
+def test_slow_heads_and_stalled_bodies_get_a_408_and_the_close(prefix, trickled, message):
+    """A head trickled a byte at a time (each byte restarts the idle timer) is cut off at
+    the head deadline; a body that stops is cut off at the body-progress deadline."""
+    async def main():
+        async with serving(head_timeout_s=0.3, body_timeout_s=0.3) as (_, port):
+            reader, writer = await connect(port)
+            writer.write(prefix)
+            if trickled is not None:
+                got = await _trickle(writer, reader, trickled)
+            else:
+                writer.write(b"abc")  # some body, then nothing
+                got = await asyncio.wait_for(reader.read(), 30)  # the 408, then the close
+            writer.close()
+            return got
+    got = run(main())
+    assert got.startswith(b"HTTP/1.1 408 ") and message in got
+
+
+def test_connections_past_the_cap_get_a_503_and_the_close():
+    async def main():
+        async with serving(max_connections=2) as (server, port):
+            kept = [await connect(port) for _ in range(2)]
+            for reader, writer in kept:  # both answered: they count
+                writer.write(request("POST", "/echo", b"{}"))
+                assert (await read_response(reader))[0] == 200
+            reader, writer = await connect(port)
+            refused = await asyncio.wait_for(reader.read(), 10)
+            kept[0][1].close()
+            await asyncio.wait_for(kept[0][0].read(), 10)
+            for _ in range(1000):  # until the server saw the close (bounded: 10 s)
+                if len(server.connections) == 1:
+                    break
+                await asyncio.sleep(0.01)
+            again_r, again_w = await connect(port)
+            again_w.write(request("POST", "/echo", b"{}"))
+            status = (await read_response(again_r))[0]
+            for _, w in [kept[1], (None, writer), (None, again_w)]:
+                w.close()
+            return refused, status
+    refused, status = run(main())
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+    assert status == 200  # a place freed up: served again
+
+
 def test_a_client_that_leaves_cancels_its_route_and_an_asgi_app_hears_it():
     cancelled = None
     disconnect = None
