@@ -48,6 +48,7 @@ Send = Callable[[dict], Awaitable[None]]
 Handler = Callable[[list[tuple[bytes, bytes]], bytes, Send], Awaitable[None]]
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers together
+LINGER_S = 2.0  # after a refusal, how long the client's last bytes are read and dropped
 _TOO_MANY_BODY = (b'{"error": {"message": "too many connections", "type": "server_error", '
                   b'"param": null, "code": "too_many_connections"}}')
 _TOO_MANY_CONNECTIONS = (  # written as a connection past max_connections is accepted
@@ -229,7 +230,7 @@ class _Connection(asyncio.Protocol):
         if len(self.server.connections) >= self.server.max_connections:
             self.refused = True
             transport.write(_TOO_MANY_CONNECTIONS)
-            transport.close()
+            self.linger()
             return
         self.server.connections.add(self)
 
@@ -306,7 +307,20 @@ class _Connection(asyncio.Protocol):
             return
         self._response_for(False, keep_alive=False)
         self.task = self.loop.create_task(send_error(self.send, err))
-        self.task.add_done_callback(lambda _: self.close())
+        self.task.add_done_callback(lambda _: self.linger())
+
+    def linger(self) -> None:
+        """Close after a refusal without losing it: end our side now (the answer, then a
+        FIN), read and drop what the client still sends, and close once it closes too or
+        after ``LINGER_S``. Closing at once would answer its next bytes with a reset, which
+        can destroy the refusal before the client has read it."""
+        if self.closed:
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.close)
+        else:
+            self.close()
 
     # -- parser callbacks --------------------------------------------------------------
 

@@ -25,6 +25,12 @@ class FakeTransport(asyncio.Transport):
     def close(self) -> None:
         self.closed = True
 
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:  # the server ended its side (it closes after lingering)
+        self.closed = True
+
     def abort(self) -> None:
         self.closed = True
 
