@@ -163,8 +163,16 @@ class KVCache:
         tail = self._store_tail()
         if tail is not None:
             held.append(tail)
-        tree = self._tree
+        tree, full = self._tree, self._mgr.layout.full
         for pool, table in self._tables.items():
+            if pool == full:  # its pages are cached with their blocks (release_all below)
+                p = self._pools[pool]
+                refs, block_of = p.refs, p.block_of
+                for page in table:
+                    refs[page] -= 1
+                    if not refs[page] and block_of[page] is None:
+                        p.give_back(page)  # private: nobody else can want it
+                continue
             for page in table:
                 if page is not None:
                     tree.unref(pool, page, tick)
@@ -208,9 +216,14 @@ class KVCache:
             pages = [block.pages[pool] for block in self._path]
             for index in range(sinks, min(first, len(pages))):
                 pages[index] = None  # out of the window at the reuse point: not read
-            for page in pages:
-                if page is not None:
-                    tree.ref(pool, page)
+            if pool == self._mgr.layout.full:  # needed while held: no cached-state change
+                refs = self._pools[pool].refs
+                for page in pages:
+                    refs[page] += 1
+            else:
+                for page in pages:
+                    if page is not None:
+                        tree.ref(pool, page)
             table.extend(pages)
         source = self._partial_source
         if source is not None:

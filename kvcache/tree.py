@@ -314,12 +314,18 @@ class BlockTree:
 
     def _remove(self, block: Block) -> None:
         """Remove an unheld leaf, freeing its pages; empty, unheld ancestors go with it."""
+        pools, reclaimable, evicted = self.pools, self.reclaimable, self.evicted_pages
         while True:
+            # An unheld block's pages are all cached (no open cache references them).
             for pool, page in enumerate(block.pages):
                 if page is not None:
-                    self.detach(block, pool)
-                    self.pools[pool].give_back(page)
-                    self.evicted_pages[pool] += 1
+                    if pool == self.recurrent:
+                        self.detach(block, pool)  # keeps the parent's snapshot counts
+                    else:
+                        block.pages[pool] = None
+                        reclaimable[pool] -= 1
+                    pools[pool].give_back(page)  # clears the page's back pointer
+                    evicted[pool] += 1
             block.alive = False
             self.num_blocks -= 1
             self.evicted_blocks += 1
