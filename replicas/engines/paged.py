@@ -80,7 +80,9 @@ def plan_batch(engine: TorchEngine, items: list[StepItem]) -> Batch:
 def _plan_decode(engine: TorchEngine, seqs: list[SeqView], attention: list[int],
                  ints: dict[str, list[int]]) -> dict[int, tuple[Tensor, Tensor, Tensor]] | None:
     """Index data to attend every one-token item of a pool in one batched call: each one's
-    read pages padded (with page 0, masked out) to the widest, and its visible keys."""
+    read pages padded (with page 0, masked out) to the widest, and its visible keys. Built
+    on the host and copied apart from ``plan_batch``'s one flat copy (three small tensors
+    per pool, only in steps with two or more decoding items)."""
     rows = [i for i, seq in enumerate(seqs) if seq.length == 1]
     if len(rows) < 2:
         return None
