@@ -42,16 +42,15 @@ class Live:
     def settled(self, timeout: float = 30.0) -> dict:
         """The router's /stats once it shows every live replica's current KV pools (idle
         replicas' pools stop changing; the router fetches them every 0.2 s)."""
-        deadline = time.monotonic() + timeout
-        while True:
+        for _ in range(int(timeout / 0.05)):  # a bounded wait on the router's state
             own = {r.url: httpx.get(r.url + "/stats", timeout=10).json()["kv_cache"]["pools"]
                    for r in (*self.replicas, self.hybrid)}
             stats = self.stats()
             shown = {r["url"]: r["kv_pools"] for r in stats["replicas"] if r["url"] in own}
             if shown == own:
                 return stats
-            assert time.monotonic() < deadline, f"router shows pools {shown}, not {own}"
             time.sleep(0.05)
+        raise AssertionError(f"router shows pools {shown}, not {own}")
 
     def traffic(self, n: int, start: int = 0, workers: int = 6) -> list[str]:
         """Send ``n`` completions (prompt families in turn); returns the x-replica of each."""

@@ -281,28 +281,28 @@ def test_expect_100_continue():
     run(main())
 
 
-def test_an_http10_client_gets_no_100_continue():
+def until_close(data: bytes, routes=None, **settings) -> bytes:
+    """Send ``data`` on one connection; everything the server writes before it closes."""
     async def main():
-        async with serving() as (_, port):
+        async with serving(routes, **settings) as (_, port):
             reader, writer = await connect(port)
-            writer.write(b"POST /echo HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n"
-                         b"expect: 100-continue\r\n\r\nok")
-            data = await reader.read()  # HTTP/1.0: the answer, then the close
-            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"100 Continue" not in data
+            writer.write(data)
+            got = await asyncio.wait_for(reader.read(), 10)
             writer.close()
-    run(main())
+            return got
+    return run(main())
+
+
+def test_an_http10_client_gets_no_100_continue():
+    data = until_close(b"POST /echo HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n"
+                       b"expect: 100-continue\r\n\r\nok")  # HTTP/1.0: answer, then close
+    assert data.startswith(b"HTTP/1.1 200 OK\r\n") and b"100 Continue" not in data
 
 
 def test_bytes_after_a_connection_close_request_get_no_second_answer():
-    async def main():
-        async with serving() as (_, port):
-            reader, writer = await connect(port)
-            writer.write(request("POST", "/echo", b"{}", "connection: close\r\n")
-                         + b"GET /garbage HTTP/1.1\r\nhost: x\r\n\r\n")
-            data = await reader.read()  # until the server closes
-            assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 200 OK")
-            writer.close()
-    run(main())
+    data = until_close(request("POST", "/echo", b"{}", "connection: close\r\n")
+                       + b"GET /garbage HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert data.count(b"HTTP/1.1 ") == 1 and data.startswith(b"HTTP/1.1 200 OK")
 
 
 async def _declares(length: bytes, body: bytes, send, name: bytes = b"x-ok") -> None:
@@ -323,16 +323,10 @@ async def _declares(length: bytes, body: bytes, send, name: bytes = b"x-ok") -> 
     (lambda h, b, send: _declares(b"2", b"ok", send, b"bad name"), b"HTTP/1.1 500"),
 ])
 def test_a_response_that_breaks_its_own_framing_is_never_sent_as_valid(route, first):
-    async def main():
-        async with serving({("POST", "/r"): route}) as (_, port):
-            reader, writer = await connect(port)
-            # pipelined; the second asks to close, so a good first answer ends in one
-            writer.write(request("POST", "/r") + request("POST", "/r", b"",
-                                                         "connection: close\r\n"))
-            data = await asyncio.wait_for(reader.read(), 10)  # until the server closes
-            writer.close()
-            return data
-    data = run(main())
+    # pipelined; the second asks to close, so a good first answer ends in one
+    data = until_close(request("POST", "/r") + request("POST", "/r", b"",
+                                                       "connection: close\r\n"),
+                       {("POST", "/r"): route})
     assert data.startswith(first)
     if first in (b"", b"HTTP/1.1 200 OK"):  # framing broken: closed, nothing more answered
         assert data.count(b"HTTP/1.1 ") == (first != b"")
