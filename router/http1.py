@@ -609,6 +609,26 @@ class Client:
                 idle.pop(0).abort()
         idle.append(conn)
 
+    async def warm(self, base_url: str, n: int) -> int:
+        """Open connections to ``base_url`` until ``n`` idle ones are ready in its pool (a
+        burst of requests then sends at once instead of connecting first); returns how many
+        were opened. A connection that cannot be opened is skipped (the next call tries
+        again)."""
+        key = self._target(base_url)[0]
+        cutoff = time.monotonic() - self.keepalive_s
+        idle = self._idle.get(key, ())
+        ready = sum(1 for c in idle if not c.closed and c.idle_since >= cutoff)
+        if ready >= n:
+            return 0
+        opened = await asyncio.gather(*(self._connect(key) for _ in range(n - ready)),
+                                      return_exceptions=True)
+        count = 0
+        for conn in opened:
+            if isinstance(conn, _Connection):
+                self._pool(conn)
+                count += 1
+        return count
+
     def idle_connections(self) -> int:
         return sum(1 for conns in self._idle.values() for c in conns if not c.closed)
 

@@ -206,6 +206,7 @@ class RouterService:
             level = logging.WARNING if replica.health is Health.UNHEALTHY else logging.INFO
             log.log(level, "replica %s is healthy (model %s)", replica.url, replica.model)
         replica.health, replica.problem = Health.HEALTHY, ""
+        await self.upstream.warm(replica.url)
 
     async def _load_tokenizer(self, replica: Replica) -> tuple[str, bool]:
         """Take the replica's tokenizer as the router's (none known yet). Returns

@@ -36,6 +36,12 @@ class RouterSettings(BaseSettings):
     # probing
     probe_deadline_ms: float = Field(default=25.0, gt=0)
     probe_k: Optional[int] = Field(default=None, ge=0)  # replicas probed per request (None: all)
+    # a probe past its deadline may still answer this long and give its connection back
+    probe_late_grace_s: float = Field(default=1.0, gt=0)
+    # idle keep-alive connections kept open to each healthy replica (topped up at every
+    # health check): a burst of requests (a router started or restarted under load) then
+    # writes its probes at once instead of first opening a connection per probe and replica
+    warm_connections: int = Field(default=8, ge=0)
     # health and circuit breaking
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)
@@ -62,6 +68,11 @@ class RouterSettings(BaseSettings):
     head_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=10_000, ge=1)
+    # which HTTP server answers clients: the router's own (router/server.py), or uvicorn
+    # or granian running the same endpoints as one ASGI app (router/asgi.py); the A/B is
+    # bench/router_servers.py. head/body deadlines and max_connections are the own
+    # server's; under uvicorn they map to its limits, under granian to its defaults.
+    http_server: Literal["native", "uvicorn", "granian"] = "native"
     max_prompt_tokens: Optional[int] = Field(default=None, ge=1)
     # security
     admin_token: Optional[str] = None  # admin endpoints are off unless set

@@ -3,8 +3,9 @@
 All of it goes through one ``http1.Client`` (pooled keep-alive HTTP/1.1, see there for why
 not a general client). Probes go out together under one deadline: each is written on a
 pooled connection at once and its answer parsed as it arrives, without a task per probe;
-whatever has not answered by the deadline counts as "no reuse known" and its connection is
-closed, so a late probe never holds the request.
+whatever has not answered by the deadline counts as "no reuse known" (a late probe never
+holds the request); its connection returns to the pool when the answer has come, or is
+closed after ``probe_late_grace_s``.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ class Upstream:
                           if settings.internal_token else {})
         self._probe_headers = {"content-type": "application/json", **self._internal}
         self._probe_heads: dict[str, bytes] = {}  # replica -> Client.head() of its probes
+        self._late: set[asyncio.Task] = set()  # probes past their deadline, still connecting
 
     async def close(self) -> None:
+        for task in list(self._late):
+            task.cancel()
         self.client.close()
 
     # -- probes ------------------------------------------------------------------------
@@ -82,9 +86,7 @@ class Upstream:
                     response.on_done = one_done
                     sent.append((url, response))
                 else:
-                    task = loop.create_task(client.fetch("POST", url, "/probe_reuse", body,
-                                                         self._probe_headers,
-                                                         repeatable=True))  # read-only
+                    task = loop.create_task(self._fetch_probe(url, body))
                     task.add_done_callback(one_done)
                     opening.append((url, task))
             if remaining:
@@ -103,11 +105,15 @@ class Upstream:
                 elif response.error is not None:
                     out[url] = response.error
                 else:
-                    response.close()
+                    # late, not lost: its small answer is on the way, and the connection
+                    # goes back to the pool when it has come (closing it would make the
+                    # next probe pay for a new connection, and a burst feed on itself)
+                    response.release(self.settings.probe_late_grace_s)
                     out[url] = TimeoutError("probe deadline passed")
             for url, task in opening:
-                if not task.done():
-                    task.cancel()
+                if not task.done():  # late: it may finish (and pool its connection) alone
+                    self._late.add(task)
+                    task.add_done_callback(self._late_done)
                     out[url] = TimeoutError("probe deadline passed")
                 elif task.cancelled():
                     out[url] = TimeoutError("probe cancelled")
@@ -117,6 +123,23 @@ class Upstream:
                     status, raw = task.result()
                     out[url] = _probe_result(status, raw, time.perf_counter() - t0)
         return out
+
+    async def warm(self, url: str) -> int:
+        """Top up the idle connections kept open to ``url`` (``warm_connections``)."""
+        n = self.settings.warm_connections
+        return await self.client.warm(url, n) if n else 0
+
+    async def _fetch_probe(self, url: str, body: bytes) -> tuple[int, bytes]:
+        """A probe on a new connection, given up after the deadline and the late grace."""
+        s = self.settings
+        async with asyncio.timeout(s.probe_deadline_ms / 1e3 + s.probe_late_grace_s):
+            return await self.client.fetch("POST", url, "/probe_reuse", body,
+                                           self._probe_headers, repeatable=True)  # read-only
+
+    def _late_done(self, task: asyncio.Task) -> None:
+        self._late.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a late probe's failure is already counted
 
     # -- checks ------------------------------------------------------------------------
 
