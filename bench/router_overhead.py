@@ -363,51 +363,10 @@ def throughput_run(router: ServerProcess, bodies: list[bytes], concurrency: int,
 
 # --------------------------------------------------------------------------- main
 
-def server_ab(rounds: dict[str, list[dict]], tputs: dict[str, dict], servers: list[str],
-              ks: list[int], name) -> dict:
-    """The native server's router CPU per request against the best maintained server's,
-    per k (median over the rounds) and in the throughput run: ``saving`` = 1 - native /
-    best other (the native server stays only if this is >= 15% at k = 8, issue 15)."""
-    others = [s for s in servers if s != "native"]
-    if "native" not in servers or not others:
-        return {}
-    saving, lines = {}, []
-
-    def med(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
-    for k in ks:
-        cpu = {s: med([r["router_cpu_ms_per_request"] for r in rounds.get(name(s, k), [])])
-               for s in servers if rounds.get(name(s, k))}
-        if "native" not in cpu or not any(s in cpu for s in others):
-            continue
-        best = min((s for s in others if s in cpu), key=cpu.get)
-        saving[f"k={k}"] = {"cpu_ms_per_request": cpu, "best_other": best,
-                            "saving": 1 - cpu["native"] / cpu[best]}
-        lines.append(f"A/B k={k}: router CPU/request " + ", ".join(
-            f"{s} {v:.3f} ms" for s, v in cpu.items()) +
-            f"; native saves {saving[f'k={k}']['saving']:+.1%} against {best}")
-    if "native" in tputs and any(s in tputs for s in others):
-        cpu = {s: t["router_cpu_ms_per_request"] for s, t in tputs.items()}
-        best = min((s for s in others if s in cpu), key=cpu.get)
-        saving["throughput"] = {"cpu_ms_per_request": cpu, "best_other": best,
-                                "saving": 1 - cpu["native"] / cpu[best],
-                                "requests_per_s": {s: t["requests_per_s"]
-                                                   for s, t in tputs.items()}}
-        lines.append("A/B closed loop: router CPU/request " + ", ".join(
-            f"{s} {v:.3f} ms" for s, v in cpu.items()) +
-            f"; native saves {saving['throughput']['saving']:+.1%} against {best}")
-    return {"saving": saving, "lines": lines}
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--ks", default="0,1,2,8", help="probe fan-outs to measure (--probe-k)")
-    p.add_argument("--http-servers", default="native",
-                   help="router --http-server values to measure, comma-separated (native, "
-                        "uvicorn, granian): every (server, k) pair is one configuration of "
-                        "each round, and the throughput run is made once per server")
     p.add_argument("--requests", type=int, default=500, help="timed requests per configuration")
     p.add_argument("--rounds", type=int, default=3,
                    help="measure every configuration this many times, in turn, and report "
@@ -431,28 +390,22 @@ def main(argv: list[str] | None = None) -> None:
         args.requests, args.warmup, args.prompts, args.rounds = 40, 10, 16, 1
         args.throughput_seconds = 2.0
     ks = [int(k) for k in args.ks.split(",")]
-    servers = [s for s in args.http_servers.split(",") if s]
-    configs = [(srv, k) for srv in servers for k in ks]
     bodies = make_prompts(args.prompts, args.prompt_chars, args.seed)
     pages = args.prompts * (-(-(args.prompt_chars + 2) // 32)) * 2 + 256
 
     load_start = os.getloadavg()
     t_start = time.monotonic()
-    results: dict[str, dict] = {}
-    rounds: dict[str, list[dict]] = {}  # every round's figures, per configuration
+    results: dict[int, dict] = {}
+    rounds: dict[int, list[dict]] = {}  # every round's figures, per k
     gateway_rounds: list[dict] = []
     gateway: dict | None = None
     gateway_note = ""
-    tputs: dict[str, dict] = {}
+    tput: dict | None = None
     deaths: list[str] = []
 
-    def name(srv: str, k: int) -> str:
-        return f"k={k}" if servers == ["native"] else f"{srv} k={k}"
-
-    def router_args(srv: str, k: int) -> list[str]:
+    def router_args(k: int) -> list[str]:
         a = ["--replicas", ",".join(urls), "--policy", "prefix", "--probe-k", str(k),
-             "--tokens-per-block", "32", "--log-level", "warning", "--seed", str(args.seed),
-             "--http-server", srv]
+             "--tokens-per-block", "32", "--log-level", "warning", "--seed", str(args.seed)]
         if args.probe_deadline_ms is not None:
             a += ["--probe-deadline-ms", str(args.probe_deadline_ms)]
         return a
@@ -481,13 +434,13 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             for rnd in range(1, args.rounds + 1):
-                for srv, k in configs:
-                    with ServerProcess("router", *router_args(srv, k)) as router:
+                for k in ks:
+                    with ServerProcess("router", *router_args(k)) as router:
                         r = paired_router_run(router, direct, bodies, args.requests,
                                               args.warmup, pids)
-                    rounds.setdefault(name(srv, k), []).append(r)
-                    check_alive(f"the sequential run at {name(srv, k)}")
-                    print(f"round {rnd}/{args.rounds} {name(srv, k)}: added p50 "
+                    rounds.setdefault(k, []).append(r)
+                    check_alive(f"the sequential run at k={k}")
+                    print(f"round {rnd}/{args.rounds} k={k}: added p50 "
                           f"{r['added']['p50_ms']:.2f} ms, router CPU "
                           f"{r['router_cpu_ms_per_request']:.2f} ms/request", flush=True)
                 if args.no_sglang:
@@ -509,18 +462,15 @@ def main(argv: list[str] | None = None) -> None:
                                        f"{str(exc).splitlines()[0] if str(exc) else ''}"
                         print(gateway_note, flush=True)
 
-            for srv in servers if args.throughput_seconds > 0 else ():
-                # last: the only phase that overloads anything
-                with ServerProcess("router", *router_args(srv, args.throughput_k)) as router:
+            if args.throughput_seconds > 0:  # last: the only phase that overloads anything
+                with ServerProcess("router", *router_args(args.throughput_k)) as router:
                     tput = throughput_run(router, bodies, args.throughput_concurrency,
                                           args.throughput_seconds)
                 tput["k"] = args.throughput_k
-                tput["http_server"] = srv
-                tputs[srv] = tput
                 gone = dead(reps)
                 tput["replicas_died"] = gone
-                print(f"{name(srv, args.throughput_k)}: {tput['requests_per_s']:.0f} "
-                      f"requests/s at concurrency {args.throughput_concurrency}", flush=True)
+                print(f"k={args.throughput_k}: {tput['requests_per_s']:.0f} requests/s at "
+                      f"concurrency {args.throughput_concurrency}", flush=True)
                 check_alive("the throughput run")
         except RuntimeError as exc:
             if not deaths:
@@ -541,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for k, r in results.items():
         a, t, d = r["added"], r["through_router"], r["direct"]
-        rows.append([f"prefix {k}", r["router_cpu_ms_per_request"],
+        rows.append([f"prefix k={k}", r["router_cpu_ms_per_request"],
                      f"{r['router_user_ms_per_request']:.2f}/"
                      f"{r['router_system_ms_per_request']:.2f}",
                      t["p50_ms"], t["p99_ms"], d["p50_ms"], d["p99_ms"],
@@ -560,22 +510,18 @@ def main(argv: list[str] | None = None) -> None:
     for k, rs in rounds.items():
         cpu = sorted(r["router_cpu_ms_per_request"] for r in rs)
         added = sorted(r["added"]["p50_ms"] for r in rs)
-        print(f"{k} over {len(rs)} rounds: router CPU {cpu[0]:.2f}-{cpu[-1]:.2f} ms "
+        print(f"k={k} over {len(rs)} rounds: router CPU {cpu[0]:.2f}-{cpu[-1]:.2f} ms "
               f"(median {cpu[len(cpu) // 2]:.2f}), added p50 {added[0]:.2f}-{added[-1]:.2f} ms "
               f"(median {added[len(added) // 2]:.2f})")
-    ab = server_ab(rounds, tputs, servers, ks, name)
-    for line in ab.get("lines", []):
-        print(line)
     if gateway is not None:
         dd = gateway["distribution_difference"]
         print(f"sglang: difference of distributions (via - direct round robin): "
               f"p50 {dd['p50_ms']:.2f}, p90 {dd['p90_ms']:.2f}, p99 {dd['p99_ms']:.2f} ms")
     if gateway_note:
         print(gateway_note)
-    for srv, tput in tputs.items():
+    if tput is not None:
         lat = tput["latency"] or {}
-        print(f"\nthroughput through the router ({srv} server, prefix, k={tput['k']}), "
-              f"closed loop, "
+        print(f"\nthroughput through the router (prefix, k={tput['k']}), closed loop, "
               f"concurrency {tput['concurrency']}, {tput['seconds']:.1f} s: "
               f"{tput['requests_per_s']:.0f} requests/s, {tput['failures']} failures, "
               f"latency p50 {lat.get('p50_ms', float('nan')):.1f} ms p99 "
@@ -594,13 +540,12 @@ def main(argv: list[str] | None = None) -> None:
                       "prompt_tokens": args.prompt_chars + 1, "max_tokens": 1,
                       "cache_state": "every prompt preloaded on every replica (full hits)",
                       "cpu_clock_ticks_per_s": CLK_TCK},
-            "router": results,
-            "router_rounds": rounds,
-            "server_ab": ab.get("saving"),
+            "router": {f"k={k}": r for k, r in results.items()},
+            "router_rounds": {f"k={k}": rs for k, rs in rounds.items()},
             "sglang_gateway": gateway,
             "sglang_gateway_rounds": gateway_rounds,
             "sglang_note": gateway_note or None,
-            "throughput": tputs.get("native") if servers == ["native"] else tputs,
+            "throughput": tput,
             "replicas_died": deaths,
             "run_seconds": elapsed,
         }, args.out)

@@ -3,8 +3,9 @@
 A FastAPI route passes each request through about ten layers (middleware, exception
 handlers, dependency resolution, response classes) before the endpoint runs; on the
 replica's ``/probe_reuse``, which runs once per replica probed for every routed request,
-that was a large share of the CPU per request (BENCHMARKS.md, "router"; the router's own
-proxy endpoints went further, to a server of their own: ``router/server.py``). ``HotRoutes`` answers those few routes itself with the same
+that was a large share of the CPU per request (BENCHMARKS.md, "router"; the router's proxy
+endpoints skip the framework the same way: ``router/asgi.py``). ``HotRoutes`` answers those
+few routes itself with the same
 contract as the framework's routes: the body-size limit (413), OpenAI-style error bodies
 for ``APIError`` (with ``x-should-retry: false`` on deterministic client errors), a 500 body
 for anything unexpected (logged). Every other request goes to the app unchanged.

@@ -16,8 +16,7 @@ late for it: a client learns nothing from a stream's head alone, and a long pref
 head still leaves after ``HEAD_HOLD_S``.
 
 Used by ``python -m replicas``: ``uvicorn.Config(app, http=CoalescingHttpToolsProtocol,
-...)``. (The router has its own server, ``router/server.py``, which writes each response
-whole.)
+...)``.
 """
 
 from __future__ import annotations

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 
 from pydantic import ValidationError
 
+from . import http_server
 from .app import RouterApp, create_app
-from .server import HTTPServer
+from .asgi import ProxyASGI
 from .settings import RouterSettings, parse_args
 
 try:
@@ -24,61 +23,9 @@ async def serve(settings: RouterSettings, app: RouterApp) -> None:
     """Check the replicas, serve until SIGINT/SIGTERM, finish what runs, stop."""
     await app.service.start()
     try:
-        if settings.http_server == "native":
-            server = HTTPServer(app.asgi, app.routes, settings.max_body_bytes,
-                                keepalive_s=settings.keepalive_s,
-                                grace_s=settings.shutdown_grace_s,
-                                head_timeout_s=settings.head_timeout_s,
-                                body_timeout_s=settings.body_timeout_s,
-                                max_connections=settings.max_connections)
-            await server.serve(settings.host, settings.port)
-        elif settings.http_server == "uvicorn":
-            await _serve_uvicorn(settings, app)
-        else:
-            await _serve_granian(settings, app)
+        await http_server.serve(ProxyASGI(app.asgi, app.routes), settings)
     finally:
         await app.service.stop()
-
-
-async def _serve_uvicorn(settings: RouterSettings, app: RouterApp) -> None:
-    import uvicorn
-
-    from .asgi import ProxyASGI
-    config = uvicorn.Config(
-        ProxyASGI(app.asgi, app.routes, settings.max_body_bytes), host=settings.host,
-        port=settings.port, http="httptools", loop="none", lifespan="off",
-        access_log=False, log_level=settings.log_level.lower(), server_header=False,
-        timeout_keep_alive=max(1, round(settings.keepalive_s)),
-        timeout_graceful_shutdown=round(settings.shutdown_grace_s),
-        limit_concurrency=settings.max_connections)
-    server = uvicorn.Server(config)
-    # uvicorn re-raises a captured SIGINT/SIGTERM after serving (exit 130 for a clean stop):
-    # stop it through its own handle_exit instead, as the native server stops
-    server.capture_signals = contextlib.nullcontext
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.handle_exit, sig, None)
-    await server.serve()
-
-
-async def _serve_granian(settings: RouterSettings, app: RouterApp) -> None:
-    try:
-        from granian.constants import HTTPModes, Interfaces
-        from granian.http import HTTP1Settings
-        from granian.server.embed import Server
-    except ImportError:
-        raise SystemExit("--http-server granian needs granian: pip install granian") from None
-
-    from .asgi import ProxyASGI
-    server = Server(ProxyASGI(app.asgi, app.routes, settings.max_body_bytes),
-                    address=settings.host, port=settings.port, interface=Interfaces.ASGINL,
-                    http=HTTPModes.http1, websockets=False, log_access=False,
-                    http1_settings=HTTP1Settings(
-                        header_read_timeout=round(settings.head_timeout_s * 1000)))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.signal_handler_interrupt)
-    await server.serve()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,11 @@ from replicas.schemas import (ChatCompletionRequest, ChatCompletionResponse, Com
                               CompletionResponse, ErrorResponse, ServedModel, ServedModelList,
                               Status)
 
+from .asgi import Handler
 from .dashboard import install_dashboard
 from .metrics import RouterMetrics
 from .proxy import DONE, Attempt, UpstreamRefused, collect, error_event
 from .requests import Prepared
-from .server import Handler
 from .service import Flight, RouterService
 from .settings import RouterSettings
 from .stats import AdminResult, ReplicaList, RouterStats, stats_view
@@ -39,8 +39,8 @@ class ReplicaURL(BaseModel):
 
 @dataclass
 class RouterApp:
-    """What ``router.server.HTTPServer`` serves: the proxy endpoints natively (``routes``),
-    everything else through the FastAPI app (``asgi``)."""
+    """What ``router.asgi.ProxyASGI`` serves: the proxy endpoints by their handlers
+    (``routes``), everything else through the FastAPI app (``asgi``)."""
 
     asgi: FastAPI
     routes: dict[tuple[str, str], Handler]
@@ -144,7 +144,7 @@ def _known(svc: RouterService, url: str):
     return replica
 
 
-# -- the proxy path (answered by router.server, not the app) -----------------------------
+# -- the proxy path (answered by router.asgi.ProxyASGI, not the FastAPI app) ------------
 
 def _proxy(svc: RouterService, kind: str) -> Handler:
     async def handler(raw_headers: list[tuple[bytes, bytes]], body: bytes, send) -> None:

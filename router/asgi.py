@@ -1,31 +1,36 @@
-"""The router as one raw ASGI app, for a maintained ASGI server (uvicorn, granian).
+"""The router as one raw ASGI app (served by uvicorn: ``router/http_server.py``).
 
-``router.server.HTTPServer`` calls the proxy handlers straight from its connections; this
-is the same router for any ASGI server: the proxy endpoints (``RouterApp.routes``) are
-answered by their handlers, with the body read in full (413 past ``max_body_bytes``) and a
-watcher on ``receive()`` that cancels the handler (and with it the upstream request) when
-the client leaves; every other path goes to the FastAPI app unchanged. ``--http-server``
-chooses which server runs it (``router/__main__.py``); the A/B that compares them is
-``bench/router_servers.py``.
+The proxy endpoints (``RouterApp.routes``) skip FastAPI's layers: each is called with the
+client's headers and its whole body, and a watcher on ``receive()`` cancels it (and with it
+the upstream request) when the client leaves. Every other path goes to the FastAPI app
+unchanged. Paths are matched undecoded, so ``/v1/chat%2Fcompletions`` is not a proxy
+endpoint (the app answers it 404). Body and head limits are the server's
+(``http_server.FrontDoorProtocol``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
+from collections.abc import Awaitable, Callable
+
 from replicas.asgi import send_error
-from replicas.errors import APIError, too_large
+from replicas.errors import APIError
 
 log = logging.getLogger("router.asgi")
 
+Send = Callable[[dict], Awaitable[None]]
+# ``handler(headers, body, send)``: the client's headers (names in lower case), its whole
+# body, and the ASGI send (``http.response.start``, then ``http.response.body``).
+Handler = Callable[[list[tuple[bytes, bytes]], bytes, Send], Awaitable[None]]
+
 
 class ProxyASGI:
-    def __init__(self, app, routes, max_body_bytes: int, lifespan=None) -> None:
+    def __init__(self, app, routes: dict[tuple[str, str], Handler]) -> None:
         self.app = app  # the FastAPI app: every path but the proxy endpoints
         self.routes = routes
-        self.max_body_bytes = max_body_bytes
-        self.lifespan = lifespan  # (start, stop) coroutine functions run by ASGI lifespan
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
@@ -35,26 +40,7 @@ class ProxyASGI:
             handler = self.routes.get((scope["method"], path))
             if handler is not None:
                 return await self._proxy(handler, scope, receive, send)
-        elif kind == "lifespan" and self.lifespan is not None:
-            return await self._lifespan(receive, send)
         await self.app(scope, receive, send)
-
-    async def _lifespan(self, receive, send) -> None:
-        start, stop = self.lifespan
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await start()
-                except Exception as exc:
-                    log.exception("router start-up failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await stop()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _proxy(self, handler, scope, receive, send) -> None:
         started = finished = False
@@ -66,10 +52,7 @@ class ProxyASGI:
                 finished = True
             await send(message)
 
-        try:
-            body = await self._body(scope, receive)
-        except APIError as err:
-            return await send_error(send, err)
+        body = await _body(receive)
         if body is None:
             return  # the client left before its body arrived
         work = asyncio.ensure_future(handler(scope["headers"], body, tracking_send))
@@ -80,10 +63,20 @@ class ProxyASGI:
                 # servers report a disconnect once the answer is sent: the handler is
                 # past its last send (finishing its accounting), not abandoned
                 await asyncio.shield(work)
+        except asyncio.CancelledError:  # the server stopped past its grace period
+            if not started:
+                with contextlib.suppress(Exception):
+                    await send_error(send, APIError(
+                        503, "the router stopped before this request was answered",
+                        type="server_error", code="shutting_down"))
+            raise
         finally:
+            watcher.cancel()
             if not work.done():  # the client left (or this request is being cancelled)
                 work.cancel()
-            watcher.cancel()
+                # its clean-up (the upstream request closed, the accounting) runs before
+                # this request is over
+                await asyncio.wait((work,))
         if work.cancelled():
             return
         exc = work.exception()
@@ -99,23 +92,16 @@ class ProxyASGI:
             if not started:
                 await send_error(send, APIError(500, "internal error", type="server_error"))
 
-    async def _body(self, scope, receive) -> bytes | None:
-        limit = self.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise too_large(limit)
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return None
-            part = message.get("body", b"")
-            size += len(part)
-            if size > limit:
-                raise too_large(limit)
-            parts.append(part)
-            if not message.get("more_body"):
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+async def _body(receive) -> bytes | None:
+    """The whole request body; None if the client left first."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _disconnected(receive) -> None:

@@ -58,7 +58,7 @@ class RouterSettings(BaseSettings):
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
-    # the router's own server: client connections idle this long are closed; on SIGTERM,
+    # the router's server (uvicorn): client connections idle this long are closed; on SIGTERM,
     # requests still running get this long to finish
     keepalive_s: float = Field(default=75.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
@@ -68,11 +68,6 @@ class RouterSettings(BaseSettings):
     head_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=10_000, ge=1)
-    # which HTTP server answers clients: the router's own (router/server.py), or uvicorn
-    # or granian running the same endpoints as one ASGI app (router/asgi.py); the A/B is
-    # bench/router_servers.py. head/body deadlines and max_connections are the own
-    # server's; under uvicorn they map to its limits, under granian to its defaults.
-    http_server: Literal["native", "uvicorn", "granian"] = "native"
     max_prompt_tokens: Optional[int] = Field(default=None, ge=1)
     # security
     admin_token: Optional[str] = None  # admin endpoints are off unless set

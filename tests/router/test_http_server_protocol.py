@@ -1,5 +1,6 @@
-"""The router's HTTP/1.1 server protocol, without sockets: raw bytes into one connection,
-raw bytes out (as uvicorn's own protocol tests drive it), over a table of hostile inputs.
+"""The router's HTTP/1.1 server protocol (uvicorn's, with ``http_server.FrontDoorProtocol``'s
+limits), without sockets: raw bytes into one connection, raw bytes out (as uvicorn's own
+protocol tests drive it), over a table of hostile inputs.
 """
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ import json
 
 import pytest
 
-from router.server import HTTPServer, _Connection
+from uvicorn.server import ServerState
+
+from router import http_server
+from router.asgi import ProxyASGI
+from router.settings import RouterSettings
 
 
 class FakeTransport(asyncio.Transport):
@@ -66,8 +71,12 @@ async def not_found(scope, receive, send) -> None:
 def exchange(*pieces: bytes) -> tuple[list[tuple[int, dict, bytes]], bool]:
     """Feed ``pieces`` to one connection; the responses it wrote and whether it closed."""
     async def main():
-        server = HTTPServer(not_found, {("POST", "/echo"): echo}, max_body_bytes=1 << 20)
-        conn, transport = _Connection(server), FakeTransport()
+        config = http_server.config(ProxyASGI(not_found, {("POST", "/echo"): echo}),
+                                    RouterSettings(max_body_bytes=1 << 20))
+        config.load()
+        conn = config.http_protocol_class(config=config, server_state=ServerState(),
+                                          app_state={})
+        transport = FakeTransport()
         conn.connection_made(transport)
         for piece in pieces:
             if transport.closed:
