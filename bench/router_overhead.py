@@ -24,13 +24,20 @@ goes: the routed and the direct request do the same work on the replica.
 3. Routed requests/s through the router at K = 8, closed loop with 16 concurrent clients
    for 15 s (the load generator, the router and the 8 replicas share the machine's cores).
 
+With ``--clients http1,aiohttp,httpx`` each router configuration of step 1 and the
+throughput run of step 3 are made once per HTTP client the router uses towards its replicas
+(its own ``router/http1.py``, or the same interface on aiohttp or httpx:
+``bench/router_client_variant.py``), interleaved in every round; the A/B lines give the
+router CPU per request of each and what the router's own client saves against the best
+maintained one.
+
 Steps 1 and 2 run ``--rounds`` times (3), one configuration after the other in each round,
 and each row reports the round with the median added p50 (and the median CPU per request
 over the rounds); every round's figures are in the JSON. This machine's speed drifts by
 tens of percent within minutes, so one pass can favour whichever configuration ran at a
 quiet moment.
 
-    .venv/bin/python -m bench.router_overhead [--quick] [--no-sglang]
+    .venv/bin/python -m bench.router_overhead [--quick] [--no-sglang] [--clients ...]
 """
 
 from __future__ import annotations
@@ -363,10 +370,48 @@ def throughput_run(router: ServerProcess, bodies: list[bytes], concurrency: int,
 
 # --------------------------------------------------------------------------- main
 
+def client_ab(rounds: dict[str, list[dict]], tputs: dict[str, dict], clients: list[str],
+              ks: list[int], name) -> dict:
+    """The router's own client (http1) against the best maintained one: router CPU per
+    request per k (median over the rounds) and in the throughput run; ``saving`` = 1 -
+    http1 / best other. Home-made infrastructure stays only where this pays (15% at k = 8
+    was the bar issue 15 set for the router's own server)."""
+    others = [c for c in clients if c != "http1"]
+    if "http1" not in clients or not others:
+        return {}
+    saving, lines = {}, []
+
+    def med(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    def compare(label: str, cpu: dict[str, float], extra: dict) -> None:
+        best = min((c for c in others if c in cpu), key=cpu.get)
+        saving[label] = {"cpu_ms_per_request": cpu, "best_other": best,
+                         "saving": 1 - cpu["http1"] / cpu[best], **extra}
+        lines.append(f"A/B {label}: router CPU/request " + ", ".join(
+            f"{c} {v:.3f} ms" for c, v in cpu.items()) +
+            f"; http1 saves {saving[label]['saving']:+.1%} against {best}")
+
+    for k in ks:
+        cpu = {c: med([r["router_cpu_ms_per_request"] for r in rounds[name(c, k)]])
+               for c in clients if rounds.get(name(c, k))}
+        if "http1" in cpu and any(c in cpu for c in others):
+            compare(f"k={k}", cpu, {})
+    if "http1" in tputs and any(c in tputs for c in others):
+        compare("closed loop", {c: t["router_cpu_ms_per_request"] for c, t in tputs.items()},
+                {"requests_per_s": {c: t["requests_per_s"] for c, t in tputs.items()}})
+    return {"saving": saving, "lines": lines}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=8)
     p.add_argument("--ks", default="0,1,2,8", help="probe fan-outs to measure (--probe-k)")
+    p.add_argument("--clients", default="http1",
+                   help="the router's HTTP client to its replicas, comma-separated: http1 "
+                        "(its own, as it ships), aiohttp, httpx (bench/router_client_variant"
+                        ".py); every (client, k) pair is one configuration of each round, "
+                        "and the throughput run is made once per client")
     p.add_argument("--requests", type=int, default=500, help="timed requests per configuration")
     p.add_argument("--rounds", type=int, default=3,
                    help="measure every configuration this many times, in turn, and report "
@@ -390,25 +435,32 @@ def main(argv: list[str] | None = None) -> None:
         args.requests, args.warmup, args.prompts, args.rounds = 40, 10, 16, 1
         args.throughput_seconds = 2.0
     ks = [int(k) for k in args.ks.split(",")]
+    clients = [c for c in args.clients.split(",") if c]
+    configs = [(c, k) for c in clients for k in ks]
     bodies = make_prompts(args.prompts, args.prompt_chars, args.seed)
     pages = args.prompts * (-(-(args.prompt_chars + 2) // 32)) * 2 + 256
 
     load_start = os.getloadavg()
     t_start = time.monotonic()
-    results: dict[int, dict] = {}
-    rounds: dict[int, list[dict]] = {}  # every round's figures, per k
+    results: dict[str, dict] = {}
+    rounds: dict[str, list[dict]] = {}  # every round's figures, per configuration
     gateway_rounds: list[dict] = []
     gateway: dict | None = None
     gateway_note = ""
-    tput: dict | None = None
+    tputs: dict[str, dict] = {}
     deaths: list[str] = []
 
-    def router_args(k: int) -> list[str]:
+    def name(client: str, k: int) -> str:
+        return f"k={k}" if clients == ["http1"] else f"{client} k={k}"
+
+    def start_router(client: str, k: int) -> ServerProcess:
         a = ["--replicas", ",".join(urls), "--policy", "prefix", "--probe-k", str(k),
              "--tokens-per-block", "32", "--log-level", "warning", "--seed", str(args.seed)]
         if args.probe_deadline_ms is not None:
             a += ["--probe-deadline-ms", str(args.probe_deadline_ms)]
-        return a
+        if client == "http1":
+            return ServerProcess("router", *a)
+        return ServerProcess("bench.router_client_variant", "--client", client, *a)
 
     def check_alive(phase: str) -> None:
         gone = dead(reps)
@@ -434,13 +486,13 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             for rnd in range(1, args.rounds + 1):
-                for k in ks:
-                    with ServerProcess("router", *router_args(k)) as router:
+                for client, k in configs:
+                    with start_router(client, k) as router:
                         r = paired_router_run(router, direct, bodies, args.requests,
                                               args.warmup, pids)
-                    rounds.setdefault(k, []).append(r)
-                    check_alive(f"the sequential run at k={k}")
-                    print(f"round {rnd}/{args.rounds} k={k}: added p50 "
+                    rounds.setdefault(name(client, k), []).append(r)
+                    check_alive(f"the sequential run at {name(client, k)}")
+                    print(f"round {rnd}/{args.rounds} {name(client, k)}: added p50 "
                           f"{r['added']['p50_ms']:.2f} ms, router CPU "
                           f"{r['router_cpu_ms_per_request']:.2f} ms/request", flush=True)
                 if args.no_sglang:
@@ -462,15 +514,18 @@ def main(argv: list[str] | None = None) -> None:
                                        f"{str(exc).splitlines()[0] if str(exc) else ''}"
                         print(gateway_note, flush=True)
 
-            if args.throughput_seconds > 0:  # last: the only phase that overloads anything
-                with ServerProcess("router", *router_args(args.throughput_k)) as router:
+            for client in clients if args.throughput_seconds > 0 else ():
+                # last: the only phase that overloads anything
+                with start_router(client, args.throughput_k) as router:
                     tput = throughput_run(router, bodies, args.throughput_concurrency,
                                           args.throughput_seconds)
                 tput["k"] = args.throughput_k
+                tput["client"] = client
+                tputs[client] = tput
                 gone = dead(reps)
                 tput["replicas_died"] = gone
-                print(f"k={args.throughput_k}: {tput['requests_per_s']:.0f} requests/s at "
-                      f"concurrency {args.throughput_concurrency}", flush=True)
+                print(f"{name(client, args.throughput_k)}: {tput['requests_per_s']:.0f} "
+                      f"requests/s at concurrency {args.throughput_concurrency}", flush=True)
                 check_alive("the throughput run")
         except RuntimeError as exc:
             if not deaths:
@@ -491,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for k, r in results.items():
         a, t, d = r["added"], r["through_router"], r["direct"]
-        rows.append([f"prefix k={k}", r["router_cpu_ms_per_request"],
+        rows.append([f"prefix {k}", r["router_cpu_ms_per_request"],
                      f"{r['router_user_ms_per_request']:.2f}/"
                      f"{r['router_system_ms_per_request']:.2f}",
                      t["p50_ms"], t["p99_ms"], d["p50_ms"], d["p99_ms"],
@@ -510,18 +565,22 @@ def main(argv: list[str] | None = None) -> None:
     for k, rs in rounds.items():
         cpu = sorted(r["router_cpu_ms_per_request"] for r in rs)
         added = sorted(r["added"]["p50_ms"] for r in rs)
-        print(f"k={k} over {len(rs)} rounds: router CPU {cpu[0]:.2f}-{cpu[-1]:.2f} ms "
+        print(f"{k} over {len(rs)} rounds: router CPU {cpu[0]:.2f}-{cpu[-1]:.2f} ms "
               f"(median {cpu[len(cpu) // 2]:.2f}), added p50 {added[0]:.2f}-{added[-1]:.2f} ms "
               f"(median {added[len(added) // 2]:.2f})")
+    ab = client_ab(rounds, tputs, clients, ks, name)
+    for line in ab.get("lines", []):
+        print(line)
     if gateway is not None:
         dd = gateway["distribution_difference"]
         print(f"sglang: difference of distributions (via - direct round robin): "
               f"p50 {dd['p50_ms']:.2f}, p90 {dd['p90_ms']:.2f}, p99 {dd['p99_ms']:.2f} ms")
     if gateway_note:
         print(gateway_note)
-    if tput is not None:
+    for client, tput in tputs.items():
         lat = tput["latency"] or {}
-        print(f"\nthroughput through the router (prefix, k={tput['k']}), closed loop, "
+        print(f"\nthroughput through the router ({client} client, prefix, k={tput['k']}), "
+              f"closed loop, "
               f"concurrency {tput['concurrency']}, {tput['seconds']:.1f} s: "
               f"{tput['requests_per_s']:.0f} requests/s, {tput['failures']} failures, "
               f"latency p50 {lat.get('p50_ms', float('nan')):.1f} ms p99 "
@@ -540,12 +599,13 @@ def main(argv: list[str] | None = None) -> None:
                       "prompt_tokens": args.prompt_chars + 1, "max_tokens": 1,
                       "cache_state": "every prompt preloaded on every replica (full hits)",
                       "cpu_clock_ticks_per_s": CLK_TCK},
-            "router": {f"k={k}": r for k, r in results.items()},
-            "router_rounds": {f"k={k}": rs for k, rs in rounds.items()},
+            "router": results,
+            "router_rounds": rounds,
+            "client_ab": ab.get("saving"),
             "sglang_gateway": gateway,
             "sglang_gateway_rounds": gateway_rounds,
             "sglang_note": gateway_note or None,
-            "throughput": tput,
+            "throughput": tputs.get("http1") if clients == ["http1"] else tputs,
             "replicas_died": deaths,
             "run_seconds": elapsed,
         }, args.out)
