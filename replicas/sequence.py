@@ -56,7 +56,6 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
-    cancelled: bool = False
     engine_state: dict = field(default_factory=dict)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 

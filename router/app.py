@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -24,9 +25,12 @@ from replicas.schemas import (ChatCompletionRequest, ChatCompletionResponse, Com
 from .asgi import Handler
 from .dashboard import install_dashboard
 from .metrics import RouterMetrics
-from .proxy import DONE, Attempt, UpstreamRefused, collect, error_event
+from .forward import AttemptAccounting, forward
+from .policies import Decision
+from .proxy import (DONE, UpstreamAnswer, UpstreamError, UpstreamFailed, UpstreamRefused,
+                    collect, describe, error_event)
 from .requests import Prepared
-from .service import Flight, RouterService
+from .service import RouterService
 from .settings import RouterSettings
 from .stats import AdminResult, ReplicaList, RouterStats, stats_view
 
@@ -153,145 +157,117 @@ def _proxy(svc: RouterService, kind: str) -> Handler:
         arrived = time.monotonic()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         p = svc.builder.prepare(kind, body, headers)
-        decision, _ = await svc.decide(p)
-        if p.stream:
-            await _stream(svc, p, decision, arrived, send)
-        else:
-            await _answer(svc, p, decision, arrived, send)
+        decision = await svc.decide(p)
+        try:
+            if p.stream:
+                await _stream(svc, p, decision, arrived, send)
+            else:
+                await _answer(svc, p, decision, arrived, send)
+        except UpstreamError as exc:  # raised only before anything reached the client
+            await _answer_upstream_error(send, exc)
     return handler
 
 
-async def _answer(svc: RouterService, p: Prepared, decision, arrived: float, send) -> None:
-    """Non-streaming clients: collect the stream into one answer."""
+async def _answer(svc: RouterService, p: Prepared, decision: Decision, arrived: float,
+                  send) -> None:
+    """Non-streaming clients: the whole answer, collected from the replica's stream."""
     total = svc.settings.total_timeout_s
     try:
         async with asyncio.timeout(total):
-            answer = await _collect(svc, p, decision, arrived)
+            answer = await forward(svc, p, decision, arrived, partial(_whole, svc, p))
     except TimeoutError:
         raise APIError(504, f"no complete answer within {total:g} s (total_timeout_s)",
                        type="server_error", code="timeout") from None
     await send_bytes(send, *answer)
 
 
-async def _stream(svc: RouterService, p: Prepared, decision, arrived: float, send) -> None:
-    """Streaming clients: open on the best replica that gets to its first token, then relay."""
+async def _whole(svc: RouterService, p: Prepared, accounting: AttemptAccounting,
+                 answer: UpstreamAnswer) -> tuple[int, bytes, bytes, dict[str, str]]:
+    """(status, body, content type, headers) for ``send_bytes``. Nothing has reached the
+    client yet, so a replica that fails half-way is UpstreamFailed: the next one is tried."""
     try:
-        replica, attempt, flight = await _open(svc, p, decision, [], arrived)
-    except _Passed as passed:
-        return await send_bytes(send, *passed.answer())
-    svc.metrics.decided(replica.url, _reason(decision))
+        if svc.settings.backend == "openai":
+            body = await answer.response.read(svc.settings.idle_timeout_s)
+            content_type = answer.response.headers.get("content-type", "application/json")
+        else:
+            body = jsonwire.dumps(collect(await answer.chunks(), chat=p.kind == "chat"))
+            content_type = "application/json"
+    except (ConnectionError, TimeoutError) as exc:
+        raise UpstreamFailed("replica failed before the answer was complete: "
+                             f"{describe(exc)}", 503) from exc
+    accounting.usage = answer.usage
+    accounting.answering()
+    return 200, body, content_type.encode("latin-1"), {"x-replica": accounting.replica.url,
+                                                       "x-request-id": p.request_id}
+
+
+async def _stream(svc: RouterService, p: Prepared, decision: Decision, arrived: float,
+                  send) -> None:
+    """Streaming clients: relayed from the best replica that gets to its first token."""
+    await forward(svc, p, decision, arrived, partial(_relay, svc, p, send))
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _relay(svc: RouterService, p: Prepared, send, accounting: AttemptAccounting,
+                 answer: UpstreamAnswer) -> None:
+    """The head (this replica answers), then the events as they come."""
+    accounting.answering()
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"text/event-stream; charset=utf-8"),
-        (b"x-replica", replica.url.encode("latin-1")),
+        (b"x-replica", accounting.replica.url.encode("latin-1")),
         (b"x-request-id", p.request_id.encode("latin-1"))]})
-    events = _relay(svc, attempt, flight, p)
+    events = _events(svc, p, accounting, answer)
     try:
         async for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
     finally:
-        await events.aclose()  # its accounting runs now, even if sending was cancelled
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await events.aclose()  # out of its total timeout now, even if sending was cancelled
 
 
-def _reason(decision) -> str:
-    return decision.reason.split(" (")[0]
-
-
-async def _open(svc: RouterService, p: Prepared, decision, tried: list[str], arrived: float):
-    try:
-        replica, attempt, flight = await svc.open(p, decision, tried)
-    except UpstreamRefused as exc:
-        raise _Passed(exc) from None
-    svc.metrics.overhead.observe(flight.started - arrived)
-    if attempt.first_content_at is not None:
-        svc.metrics.first_token(replica.url, attempt.first_content_at - flight.started)
-    return replica, attempt, flight
-
-
-async def _collect(svc: RouterService, p: Prepared, decision, arrived: float
-                   ) -> tuple[int, bytes, bytes, dict[str, str]]:
-    """(status, body, content type, headers) of a whole answer, for ``send_bytes``. Nothing
-    has been sent to the client, so a replica that fails half-way is retried on the next."""
-    tried: list[str] = []
-    while True:
-        try:
-            replica, attempt, flight = await _open(svc, p, decision, tried, arrived)
-        except _Passed as passed:
-            return passed.answer()
-        try:
-            if svc.settings.backend == "openai":
-                body = await attempt.response.read(svc.settings.idle_timeout_s)
-                content_type = attempt.response.headers.get("content-type", "application/json")
-            else:
-                body = jsonwire.dumps(collect(await attempt.chunks(), chat=p.kind == "chat"))
-                content_type = "application/json"
-            content_type = content_type.encode("latin-1")
-        except (ConnectionError, TimeoutError) as exc:
-            attempt.close()
-            flight.end(ok=False, why=str(exc) or type(exc).__name__)
-            tried.append(replica.url)
-            continue
-        except BaseException:
-            attempt.close()
-            flight.end(ok=True)  # cancelled: the client left
-            raise
-        attempt.close()
-        flight.end(ok=True, usage=attempt.usage)
-        svc.metrics.decided(replica.url, _reason(decision))
-        svc.metrics.outcome(replica.url, "ok")
-        return 200, body, content_type, _headers(replica.url, p)
-
-
-async def _relay(svc: RouterService, attempt: Attempt, flight: Flight, p: Prepared):
-    """Streaming clients: relay events as they come; a break after the first one ends the
-    stream with an error event (the answer cannot be retried without repeating it)."""
+async def _events(svc: RouterService, p: Prepared, accounting: AttemptAccounting,
+                  answer: UpstreamAnswer):
+    """The answer's events as they come; a break after the first one ends the stream
+    with an error event (the answer cannot be retried without repeating it)."""
     drop_usage = svc.settings.backend == "ours" and not p.include_usage
-    outcome = "ok"
+    total = svc.settings.total_timeout_s
     try:
-        first = b"".join(e for e in attempt.buffered if not (drop_usage and _usage_only(e)))
+        first = b"".join(e for e in answer.buffered if not (drop_usage and _usage_only(e)))
         if first:
             yield first
-        async with asyncio.timeout_at(flight.started + svc.settings.total_timeout_s):
-            async for event in attempt.rest():
+        async with asyncio.timeout_at(accounting.started + total):
+            async for event in answer.rest():
                 if not (drop_usage and _usage_only(event)):
                     yield event
-        flight.end(ok=True, usage=attempt.usage)
+        accounting.usage = answer.usage
     except TimeoutError:
-        outcome = "timeout"
-        flight.end(ok=True)
-        yield error_event(f"no complete answer within {svc.settings.total_timeout_s:g} s "
-                          "(total_timeout_s)", code="timeout")
+        accounting.outcome = "timeout"
+        yield error_event(f"no complete answer within {total:g} s (total_timeout_s)",
+                          code="timeout")
         yield DONE
     except ConnectionError as exc:
-        outcome = "broken"
-        flight.end(ok=False, why=f"stream broke: {exc}")
+        accounting.outcome, accounting.failure = "broken", f"stream broke: {exc}"
         yield error_event(f"the replica failed while streaming: {exc}", code="upstream_broken")
         yield DONE
-    finally:
-        attempt.close()
-        flight.end(ok=True)  # the client left: not the replica's fault
-        svc.metrics.outcome(flight.replica.url, outcome)
 
 
 def _usage_only(event: bytes) -> bool:
     return b"\"choices\":[]" in event and b"\"usage\"" in event
 
 
-def _headers(replica: str, p: Prepared) -> dict[str, str]:
-    return {"x-replica": replica, "x-request-id": p.request_id}
-
-
-class _Passed(Exception):
-    """A replica's client error (4xx), passed to the client as it was."""
-
-    def __init__(self, exc: UpstreamRefused) -> None:
-        self.exc = exc
-
-    def answer(self) -> tuple[int, bytes, bytes, dict[str, str]]:
-        """(status, body, content type, headers) for ``send_bytes``."""
-        headers = {k.lower(): v for k, v in self.exc.headers.items()
+async def _answer_upstream_error(send, exc: UpstreamError) -> None:
+    """The one mapping of a replica's failure to the client's answer: a client error
+    (UpstreamRefused) as the replica gave it; anything else an OpenAI error, raised for
+    the server to send."""
+    if isinstance(exc, UpstreamRefused):
+        headers = {k.lower(): v for k, v in exc.headers.items()
                    if k.lower() in ("x-should-retry", "retry-after", "x-request-id")}
         headers["x-should-retry"] = "false"
-        headers["x-replica"] = self.exc.replica
-        content_type = self.exc.headers.get("content-type", "application/json")
-        return self.exc.status, self.exc.body, content_type.encode("latin-1"), headers
+        headers["x-replica"] = exc.replica
+        content_type = exc.headers.get("content-type", "application/json")
+        return await send_bytes(send, exc.status, exc.body, content_type.encode("latin-1"),
+                                headers)
+    rate_limited = exc.status == 429
+    raise APIError(exc.status, str(exc), type="rate_limit_error" if rate_limited
+                   else "server_error", code="upstream_failed",
+                   headers={"Retry-After": exc.retry_after or "1"} if rate_limited else None
+                   ) from None

@@ -1,11 +1,11 @@
-"""One forwarding attempt: send upstream, read up to the commit point, then relay or collect.
+"""Reading a replica's answer, and the errors a replica's answer can be.
 
 Our replicas are always asked to stream (with usage), whatever the client asked: their
-response headers then mean "queued", their first content event "prefill done", and a
-client that did not ask for a stream gets the events collected into one response. An
-attempt is *committed* once it produced its first content event (generated text, a finish
-reason, or an error); before that, nothing has reached the client and the router may retry
-elsewhere. Other back ends (``--backend openai``) are relayed as they answer.
+response headers then mean "queued", their first content event (generated text, a finish
+reason, usage or an error) "prefill done", and a client that did not ask for a stream gets
+the events collected into one response. Until the first content event nothing has reached
+the client, so the router may retry elsewhere (``forward``). Other back ends
+(``--backend openai``) are relayed as they answer.
 """
 
 from __future__ import annotations
@@ -21,24 +21,38 @@ from .http1 import Response
 DONE = b"data: [DONE]\n\n"
 
 
-class Retryable(Exception):
-    """The attempt failed before anything reached the client: try another replica."""
+class UpstreamError(Exception):
+    """A replica's answer that cannot go to the client as a success. ``retryable``: the
+    request was not at fault, another replica (or a later try) may answer it; else the
+    replica's answer goes to the client as it is. ``status`` is what the client gets."""
 
-    def __init__(self, message: str, status: int = 502, retry_after: str | None = None) -> None:
+    retryable: bool = False
+
+    def __init__(self, message: str, status: int, retry_after: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
 
 
-class UpstreamRefused(Exception):
-    """The replica answered a deterministic client error (4xx): pass it on, no retry."""
+class UpstreamFailed(UpstreamError):
+    """The replica failed before its first content event (or before a collected answer
+    was complete), or answered 429 or 5xx: try the next replica."""
 
-    def __init__(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        super().__init__(f"upstream answered {status}")
-        self.status = status
+    retryable = True
+
+    def __init__(self, message: str, status: int = 502, retry_after: str | None = None) -> None:
+        super().__init__(message, status, retry_after)
+
+
+class UpstreamRefused(UpstreamError):
+    """The replica ``replica`` answered a deterministic client error (4xx): passed to the
+    client as it is, never retried."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str], replica: str) -> None:
+        super().__init__(f"upstream answered {status}", status)
         self.body = body
         self.headers = headers
-        self.replica = ""  # set by the router once it knows which replica answered
+        self.replica = replica
 
 
 def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
@@ -67,22 +81,23 @@ def is_content(chunk: dict | None) -> bool:
     return False
 
 
-class Attempt:
-    """A request in flight to one replica."""
+class UpstreamAnswer:
+    """A replica's answer to a forwarded request, read up to its first content event
+    (``read_to_first_content``), then relayed (``rest``) or collected (``chunks``)."""
 
-    def __init__(self, response: Response, started: float, idle_timeout: float) -> None:
+    def __init__(self, response: Response, idle_timeout: float) -> None:
         self.response = response
-        self.started = started
         self.idle_timeout = idle_timeout
-        self.buffered: list[bytes] = []  # events read before the commit point
+        self.buffered: list[bytes] = []  # events read up to the first content event
         self._buffered_chunks: list[dict | None] = []  # the same, parsed (not DONE)
         self.first_content_at: float | None = None
         self.usage: dict | None = None
         self.finished = False  # [DONE] seen
 
-    async def read_to_commit(self) -> None:
-        """Read events until the first content event (or the end); Retryable on failure.
-        The caller bounds the time (``first_byte_timeout_s``, from sending)."""
+    async def read_to_first_content(self) -> None:
+        """Read events until the first content event (or [DONE]); UpstreamFailed if the
+        stream breaks or ends before. The caller bounds the time (``first_byte_timeout_s``,
+        from sending)."""
         try:
             while (event := await self._next_event()) is not None:
                 self.buffered.append(event)
@@ -95,8 +110,9 @@ class Attempt:
                     self.first_content_at = time.monotonic()
                     return
         except ConnectionError as exc:
-            raise Retryable(f"replica failed before its first token: {describe(exc)}") from exc
-        raise Retryable("replica closed the stream before its first token")
+            raise UpstreamFailed("replica failed before its first token: "
+                                 f"{describe(exc)}") from exc
+        raise UpstreamFailed("replica closed the stream before its first token")
 
     async def rest(self) -> AsyncIterator[bytes]:
         """Events after the buffered ones, as bytes (usage noted). Raises ConnectionError

@@ -1,8 +1,9 @@
-"""RouterService: admission and health of replicas, routing decisions, forwarding.
+"""RouterService: admission and health of replicas, routing decisions.
 
 Per request: prepare (validate, tokenize once, derive the salt) -> decide (probe the
 eligible replicas of the request's model under a deadline, let the policy choose) ->
-forward to the best replica, retrying on the next best while nothing has reached the client.
+forward to the best replica, retrying on the next best while nothing has reached the client
+(``router.forward``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from replicas import jsonwire
 from replicas.errors import APIError
 from replicas.text import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_wire
 
+from .forward import RetryBudget
 from .policies import Candidate, Decision, LoadInfo, make_policy
 from .pools import PoolWatcher
-from .proxy import Attempt, Retryable, UpstreamRefused, describe
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
 from .settings import RouterSettings
@@ -48,28 +49,6 @@ def _why(exc: Exception) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer within the deadline"
     return f"{type(exc).__name__}: {exc}".rstrip(": ")
-
-
-class RetryBudget:
-    """Retries allowed in the last ``window_s``: a floor plus a share of the requests."""
-
-    def __init__(self, ratio: float, floor_per_s: float = 5.0, window_s: float = 10.0) -> None:
-        self.ratio, self.floor, self.window = ratio, floor_per_s * window_s, window_s
-        self._requests: deque[float] = deque()
-        self._retries: deque[float] = deque()
-
-    def request(self) -> None:
-        self._requests.append(time.monotonic())
-
-    def allow(self) -> bool:
-        now = time.monotonic()
-        for q in (self._requests, self._retries):
-            while q and now - q[0] > self.window:
-                q.popleft()
-        if len(self._retries) < self.floor + self.ratio * len(self._requests):
-            self._retries.append(now)
-            return True
-        return False
 
 
 class RouterService:
@@ -270,7 +249,7 @@ class RouterService:
     def models(self) -> set[str]:
         return self.registry.models()
 
-    async def decide(self, p: Prepared) -> tuple[Decision, dict[str, ProbeResult | Exception]]:
+    async def decide(self, p: Prepared) -> Decision:
         models = self.models()
         if p.model is not None and p.model not in models:
             raise APIError(404, f"model {p.model!r} is not served here; models: "
@@ -296,7 +275,7 @@ class RouterService:
         candidates = [self._candidate(r, probes.get(r.url), now) for r in eligible]
         decision = self.policy.choose(p.route, candidates)
         self._record(p, decision, probe_ms)
-        return decision, probes
+        return decision
 
     def _candidate(self, replica: Replica, probe: ProbeResult | Exception | None,
                    now: float) -> Candidate:
@@ -325,142 +304,3 @@ class RouterService:
                 "candidates": [{"replica": c.name, "reuse": c.reuse, "score": c.score,
                                 "in_flight": c.in_flight, "note": c.note}
                                for c in decision.candidates]}).decode())
-
-    # -- forwarding --------------------------------------------------------------------
-
-    async def open(self, p: Prepared, decision: Decision, tried: list[str]
-                   ) -> tuple[Replica, Attempt, Flight]:
-        """Try replicas best first until one reaches its first token (or answers a client
-        error). ``tried`` lists replicas that already failed this request; it grows."""
-        if not tried:
-            self.retries.request()
-        errors: list[str] = []
-        last: Retryable | None = None
-        order = [u for u in decision.ranked() if u not in tried]
-        for url in order[: max(0, self.settings.max_attempts - len(tried))]:
-            replica = self.registry.get(url)
-            if replica is None or (tried and not self.retries.allow()):
-                continue
-            if tried and self.metrics is not None:
-                self.metrics.retries.inc()
-            candidate = next(c for c in decision.candidates if c.name == url)
-            flight = Flight(self, replica, p, candidate)
-            try:
-                result = await self._attempt(p, replica, flight)
-                return replica, result, flight
-            except Retryable as exc:
-                flight.end(ok=False, why=str(exc))
-                errors.append(f"{url}: {exc}")
-                tried.append(url)
-                last = exc
-            except UpstreamRefused as exc:
-                flight.end(ok=True)
-                exc.replica = url
-                raise
-            except BaseException:
-                flight.end(ok=True)
-                raise
-        status = last.status if last is not None else 503
-        raise APIError(status, "no replica could take the request: " + "; ".join(errors),
-                       type="rate_limit_error" if status == 429 else "server_error",
-                       code="upstream_failed",
-                       headers={"Retry-After": last.retry_after or "1"} if status == 429 else None)
-
-    async def _attempt(self, p: Prepared, replica: Replica, flight: Flight) -> Attempt:
-        """Send the request and read up to its first token (our back end, or any stream),
-        all within ``first_byte_timeout_s``."""
-        headers = {"content-type": "application/json", "x-request-id": p.request_id}
-        if self.settings.backend == "openai" and self.settings.backend_api_key:
-            headers["authorization"] = f"Bearer {self.settings.backend_api_key}"
-        commit = p.stream or self.settings.backend == "ours"
-        response = attempt = None
-        try:
-            async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                response = await self.upstream.post(replica.url, p.path, p.body, headers)
-                flight.queued()
-                if response.status != 200:
-                    await self._refused(response)
-                attempt = Attempt(response, flight.started, self.settings.idle_timeout_s)
-                if commit:
-                    await attempt.read_to_commit()
-        except (TimeoutError, OSError) as exc:
-            if attempt is not None:
-                attempt.close()
-                raise Retryable("replica failed before its first token: "
-                                f"{describe(exc)}") from exc
-            if response is not None:
-                response.close()
-                raise Retryable(f"replica answered {response.status} and then failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
-            raise Retryable(f"could not reach the replica: {type(exc).__name__}: {exc}") from exc
-        except BaseException:  # Retryable from reading, or cancelled (the client left)
-            if attempt is not None:
-                attempt.close()
-            raise
-        if commit:
-            flight.first_token(attempt.first_content_at)
-        return attempt
-
-    async def _refused(self, response) -> None:
-        """A replica's answer other than 200: Retryable (429, 5xx) or UpstreamRefused."""
-        try:
-            body = await response.read(self.settings.idle_timeout_s)
-        finally:
-            response.close()
-        if response.status == 429 or response.status >= 500:
-            raise Retryable(f"replica answered {response.status}", response.status,
-                            response.headers.get("retry-after"))
-        raise UpstreamRefused(response.status, body, dict(response.headers))
-
-
-class Flight:
-    """Accounting for one attempt, whatever way it ends (exactly once)."""
-
-    def __init__(self, svc: RouterService, replica: Replica, p: Prepared,
-                 candidate: Candidate) -> None:
-        self.svc, self.replica, self.p = svc, replica, p
-        self.started = time.monotonic()
-        self.estimate = max(0, p.route.num_tokens - max(candidate.reuse or 0,
-                                                         candidate.pending_reuse))
-        self.probed = candidate
-        self._queued = self._ended = False
-        replica.in_flight += 1
-        replica.unqueued_tokens += self.estimate
-        svc.registry.started(replica)
-        svc.policy.on_routed(p.route, replica.url)
-
-    def queued(self) -> None:
-        if not self._queued:
-            self._queued = True
-            self.replica.unqueued_tokens -= self.estimate
-
-    def first_token(self, at: float | None) -> None:
-        self.svc.policy.on_prefill_done(self.p.route, self.replica.url)
-        if at is not None:
-            self.replica.stats.ttft_s.append(at - self.started)
-
-    def end(self, ok: bool, why: str = "", usage: dict | None = None) -> None:
-        if self._ended:
-            return
-        self._ended = True
-        self.queued()
-        self.replica.in_flight -= 1
-        self.svc.policy.on_finished(self.p.route, self.replica.url)
-        if ok:
-            self.svc.registry.succeeded(self.replica)
-        else:
-            self.svc.registry.failed(self.replica, why)
-        if usage:
-            self._count(usage)
-
-    def _count(self, usage: dict) -> None:
-        stats = self.replica.stats
-        stats.requests += 1
-        stats.prompt_tokens += usage.get("prompt_tokens", 0)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-        stats.cached_tokens += cached
-        if self.probed.reuse is not None:
-            stats.probed_tokens += self.probed.reuse
-            stats.probed_tokens_before_pruning += self.probed.reuse_before_pruning or 0
-        if self.svc.metrics is not None:
-            self.svc.metrics.finished(self.replica.url, usage.get("prompt_tokens", 0), cached)
