@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from kvcache import CacheConfig, FullAttention, KVCacheManager, ReuseScope
 from replicas.engines.sim import SimTiming
 from replicas.tokenizer import ByteTokenizer, ChatMessage
-from router.policies import Candidate, LoadInfo, Policy, RouteRequest, block_keys, make_policy
+from router.policies import Candidate, Policy, RouteRequest, block_keys, make_policy
+from wire.probe import LoadSnapshot
 
 from .workloads import Request
 
@@ -86,10 +87,10 @@ class SimReplica:
         self.queued_tokens = 0
         self.prefill_tokens = 0  # computed (uncached) prompt tokens
         self.requests = 0
-        self.reported = LoadInfo(total_pages=cfg.kv_pages,
-                                 prefill_tokens_per_s=cfg.timing.prefill_tokens_per_s)
+        self.reported = LoadSnapshot(total_pages=cfg.kv_pages,
+                                     prefill_tokens_per_s=cfg.timing.prefill_tokens_per_s)
 
-    def load(self) -> LoadInfo:
+    def load(self) -> LoadSnapshot:
         """The replica's load now: one object per replica, refreshed in place (no
         allocation per probe; the simulator keeps no decision after it is made)."""
         info = self.reported

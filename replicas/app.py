@@ -13,16 +13,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from . import jsonwire
-from .asgi import HotRoutes, document, send_bytes
+from wire import jsonwire
+from wire.asgi import HotRoutes, document, send_bytes
+from wire.errors import APIError, install_error_handlers, invalid
+from wire.openapi import body_schema, not_ready_body
+from wire.openapi import install as install_openapi
+from wire.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                          CompletionResponse, ErrorResponse, ModelList, ProbeAnswer, ProbeRequest,
+                          ReplicaStats, _GenerationParams, Status, TokenizerInfo)
+
 from .body_limit import BodySizeLimit
-from .errors import APIError, install_error_handlers, invalid
-from .openapi import body_schema, not_ready_body
-from .openapi import install as install_openapi
 from .responses import DONE, Formatter, text_pieces
-from .schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                      CompletionResponse, ErrorResponse, ModelList, ProbeRequest, ProbeResponse,
-                      ReplicaStats, _GenerationParams, Status, TokenizerInfo)
 from .sequence import Sequence
 from .service import ReplicaService, new_request_id
 from .settings import ReplicaSettings
@@ -66,7 +67,7 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
         return await _generate(service, request, body, tokens, "chat",
                                settings.default_chat_max_tokens)
 
-    document(app, "POST", "/probe_reuse", response_model=ProbeResponse, responses=_ERRORS,
+    document(app, "POST", "/probe_reuse", response_model=ProbeAnswer, responses=_ERRORS,
              openapi_extra=body_schema(ProbeRequest))
 
     async def probe_reuse(scope, body: bytes, receive, send) -> None:
@@ -239,5 +240,5 @@ def _stats(service: ReplicaService) -> dict:
         },
         "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting),
                       "steps": sched.steps, "preemptions": sched.preemptions},
-        "load": service.load().model_dump(),
+        "load": dataclasses.asdict(service.load()),
     }

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .asgi import send_error
-from .errors import too_large
+from wire.asgi import send_error
+from wire.errors import too_large
 
 
 class _TooLarge(Exception):

@@ -10,7 +10,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from . import jsonwire
+from wire import jsonwire
+
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .service import ReplicaService
 

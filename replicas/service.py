@@ -22,14 +22,16 @@ import pybase64
 
 from kvcache import KVCacheManager, ReuseScope
 
+from wire.errors import APIError
+from wire.probe import LoadSnapshot, ProbeAnswer
+from wire.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                          ProbeRequest, _GenerationParams, chat_messages)
+
 from .engines import make_engine
 from .engines.base import Engine, SamplingParams
-from .errors import APIError
 from .kv_sizing import plan_kv_pages
 from .metrics import ReplicaMetrics
 from .scheduler import QueueFull, Scheduler, SchedulerConfig
-from .schemas import (ChatCompletionRequest, CompletionRequest, LoadSnapshot, ModelCard,
-                      ProbeRequest, _GenerationParams, chat_messages)
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .settings import ReplicaSettings
 from .text import load_tokenizer
@@ -104,8 +106,7 @@ class ReplicaService:
                          tokens_per_block=self.manager.config.tokens_per_block,
                          max_model_len=self.max_model_len, engine=self.engine.describe())
 
-    def probe(self, req: ProbeRequest) -> dict:
-        """The ``ProbeResponse`` as a plain dict (the hot path skips model validation)."""
+    def probe(self, req: ProbeRequest) -> ProbeAnswer:
         if req.prompt is not None:
             tokens = array("I", self._encode(req.prompt))
         elif req.messages is not None:
@@ -116,23 +117,15 @@ class ReplicaService:
             tokens = self._checked_array(_decode_b64(req.token_ids_b64, "token_ids_b64"),
                                          "token_ids_b64")
         probe = self.manager.probe_reuse(tokens[:-1], scope=_scope(req.cache_salt))
-        return {"num_tokens": probe.num_tokens,
-                "num_tokens_before_hybrid_pruning": probe.num_tokens_before_hybrid_pruning,
-                "num_prompt_tokens": len(tokens), "load": self.load_dict()}
+        return ProbeAnswer(probe.num_tokens, probe.num_tokens_before_hybrid_pruning,
+                           len(tokens), self.load())
 
     def load(self) -> LoadSnapshot:
-        return LoadSnapshot(**self.load_dict())
-
-    def load_dict(self) -> dict:
-        """``load()`` as a plain dict (the probe hot path skips model validation)."""
         s = self.manager.stats()
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
-                "free_pages": s.free_pages, "total_pages": s.num_pages,
-                "cached_pages": s.cached_pages,
-                "prefill_tokens_per_s": float(self.engine.prefill_tokens_per_s),
-                "max_num_seqs": self.scheduler.config.max_num_seqs,
-                "draining": self.draining}
+        return LoadSnapshot(len(self.scheduler.running), len(self.scheduler.waiting),
+                            self.scheduler.queued_prefill_tokens(), s.free_pages, s.num_pages,
+                            s.cached_pages, float(self.engine.prefill_tokens_per_s),
+                            self.scheduler.config.max_num_seqs, self.draining)
 
     # -- generation --------------------------------------------------------------------
 

@@ -13,14 +13,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from replicas import jsonwire
-from replicas.asgi import document, send_bytes
-from replicas.errors import APIError, install_error_handlers
-from replicas.openapi import body_schema, not_ready_body
-from replicas.openapi import install as install_openapi
-from replicas.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                              CompletionResponse, ErrorResponse, ServedModel, ServedModelList,
-                              Status)
+
+from wire import jsonwire
+from wire.asgi import document, send_bytes
+from wire.errors import APIError, install_error_handlers
+from wire.openapi import body_schema, not_ready_body
+from wire.openapi import install as install_openapi
+from wire.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                          CompletionResponse, ErrorResponse, ServedModel, ServedModelList,
+                          Status)
 
 from .asgi import Handler
 from .dashboard import install_dashboard

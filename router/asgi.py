@@ -16,8 +16,8 @@ import logging
 
 from collections.abc import Awaitable, Callable
 
-from replicas.asgi import send_error
-from replicas.errors import APIError
+from wire.asgi import send_error
+from wire.errors import APIError
 
 log = logging.getLogger("router.asgi")
 

@@ -35,7 +35,7 @@ import httptools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from replicas.errors import APIError, error_headers, too_large
+from wire.errors import APIError, error_headers, too_large
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and header fields together; trailers alike
 LINGER_S = 2.0  # after a refusal, how long the client's last bytes are read and dropped
@@ -253,12 +253,19 @@ async def serve(app, settings, sockets=None) -> None:
     """Serve ``app`` until SIGINT/SIGTERM (a second signal stops at once), finishing the
     requests that run for up to ``shutdown_grace_s``."""
     server = uvicorn.Server(config(app, settings))
-    # uvicorn re-raises a captured SIGINT/SIGTERM once it has stopped (exit 130 for a clean
-    # stop); its handle_exit, called from the loop's own handlers, stops it the same way
+    # uvicorn's own handlers re-raise a captured SIGINT/SIGTERM once it has stopped (exit
+    # 130 for a clean stop) and force the stop only on a second SIGINT: these stop it the
+    # same way on either signal, at once on the second
     server.capture_signals = contextlib.nullcontext
+
+    def on_signal() -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, server.handle_exit, sig, None)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await server.serve(sockets=sockets)
     finally:

@@ -22,7 +22,8 @@ import time
 
 from pydantic import TypeAdapter, ValidationError
 
-from replicas.schemas import PoolStatsOut
+
+from wire.schemas import PoolStatsOut
 
 from .registry import Health, Registry, Replica
 from .settings import RouterSettings

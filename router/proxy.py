@@ -14,7 +14,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from replicas import jsonwire
+
+from wire import jsonwire
 
 from .http1 import Response
 

@@ -16,9 +16,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from replicas.schemas import PoolStatsOut
 
-from .policies import LoadInfo
+from wire.probe import LoadSnapshot
+from wire.schemas import PoolStatsOut
+
 
 
 class Circuit(enum.Enum):
@@ -58,7 +59,7 @@ class Replica:
     trial_in_flight: bool = False
     in_flight: int = 0
     unqueued_tokens: int = 0  # routed here, response headers not back yet
-    load: LoadInfo | None = None
+    load: LoadSnapshot | None = None
     load_at: float = 0.0
     kv_pools: tuple[PoolStatsOut, ...] | None = None  # router.pools; None: not known
     kv_pools_at: float = 0.0

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import pybase64
 from pydantic import ValidationError
 
-from replicas import jsonwire
-from replicas.errors import APIError, invalid
-from replicas.schemas import ChatCompletionRequest, CompletionRequest, chat_messages
 from replicas.text import Tokenizer
+
+from wire import jsonwire
+from wire.errors import APIError, invalid
+from wire.schemas import ChatCompletionRequest, CompletionRequest, chat_messages
 
 from .policies import RouteRequest, text_keys
 from .settings import RouterSettings

@@ -15,12 +15,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from replicas import jsonwire
-from replicas.errors import APIError
 from replicas.text import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_wire
 
+from wire import jsonwire
+from wire.errors import APIError
+
 from .forward import RetryBudget
-from .policies import Candidate, Decision, LoadInfo, make_policy
+from .policies import Candidate, Decision, make_policy
 from .pools import PoolWatcher
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
@@ -282,8 +283,9 @@ class RouterService:
         reuse = before = None
         note = ""
         if isinstance(probe, ProbeResult):
-            reuse, before = probe.num_tokens, probe.num_tokens_before_hybrid_pruning
-            replica.load, replica.load_at = LoadInfo.from_wire(probe.load), now
+            answer = probe.answer
+            reuse, before = answer.num_tokens, answer.num_tokens_before_hybrid_pruning
+            replica.load, replica.load_at = answer.load, now
         elif probe is not None:
             note = f"probe failed: {_why(probe)}; reuse unknown"
         if self.metrics is not None and probe is not None:

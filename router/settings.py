@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from replicas.settings import merge_settings, settings_from_argv
+from wire.settings import merge_settings, settings_from_argv
 
 ENV_PREFIX = "ROUTER_"
 

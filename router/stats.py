@@ -12,9 +12,10 @@ from typing import Optional
 
 from pydantic import BaseModel
 
-from replicas.schemas import PoolStatsOut
 
-from .policies import LoadInfo
+from wire.probe import LoadSnapshot
+from wire.schemas import PoolStatsOut
+
 
 
 def _percentile(values, q: float) -> float | None:
@@ -99,7 +100,7 @@ class ReplicaView(BaseModel):
     ttft_p50_s: Optional[float]
     ttft_p99_s: Optional[float]
     ttft_mean_s: Optional[float]
-    load: Optional[LoadInfo]  # as the replica last reported it
+    load: Optional[LoadSnapshot]  # as the replica last reported it
     load_age_s: Optional[float]
     # the replica's KV pools (one per life cycle), from its GET /stats every
     # kv_pools_interval_s; None for --backend openai and until first fetched

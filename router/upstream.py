@@ -17,15 +17,17 @@ from dataclasses import dataclass
 
 import orjson
 
+from wire.probe import ProbeAnswer
+
 from .http1 import Client, Response
 from .settings import RouterSettings
 
 
 @dataclass(slots=True)
 class ProbeResult:
-    num_tokens: int
-    num_tokens_before_hybrid_pruning: int
-    load: dict
+    """A replica's probe answer and its round trip."""
+
+    answer: ProbeAnswer
     seconds: float
 
 
@@ -178,8 +180,7 @@ def _probe_result(status: int, raw: bytes, seconds: float) -> ProbeResult | Prob
         return ProbeFailed(f"HTTP {status}")
     try:
         data = orjson.loads(raw)  # our replica's answer: small integers, no jsonwire checks
-        return ProbeResult(data["num_tokens"], data["num_tokens_before_hybrid_pruning"],
-                           data.get("load") or {}, seconds)
+        return ProbeResult(ProbeAnswer.from_wire(data), seconds)
     except (ValueError, KeyError, TypeError) as exc:
         return ProbeFailed(f"unreadable probe answer: {type(exc).__name__}: {exc}")
 

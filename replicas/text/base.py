@@ -9,26 +9,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
-# A message's content: text, text parts (OpenAI's ``[{"type": "text", ...}]``), or none.
-Content = Union[str, tuple[str, ...], None]
+from wire.chat import ChatMessage, Content
 
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: Content
-    name: str | None = None
-
-    def text(self) -> str:
-        """The content as one string (text parts joined, none as empty)."""
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(self.content)
+__all__ = ["ChatMessage", "Content", "Detokenizer", "Tokenizer", "le32", "utf8"]
 
 
 def utf8(text: str) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from .approx import ApproxPrefix
-from .base import Candidate, Decision, LoadInfo, Policy, RouteRequest
+from .base import Candidate, Decision, Policy, RouteRequest
 from .keys import block_keys, chain_keys, text_keys
 from .prefix import PrefixAware
 from .session import Session
@@ -16,7 +16,7 @@ POLICIES: dict[str, type[Policy]] = {
                         Session)
 }
 
-__all__ = ["POLICIES", "ApproxPrefix", "Candidate", "Decision", "LoadInfo", "Policy",
+__all__ = ["POLICIES", "ApproxPrefix", "Candidate", "Decision", "Policy",
            "PrefixAware", "RouteRequest", "block_keys", "chain_keys", "make_policy",
            "text_keys"]
 

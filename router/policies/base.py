@@ -13,27 +13,9 @@ import abc
 import random
 from dataclasses import dataclass, field
 
+from wire.probe import LoadSnapshot
+
 from .keys import chain_keys
-
-
-@dataclass(slots=True)
-class LoadInfo:
-    """A replica's load as it last reported it (a subset of the probe's ``load``)."""
-
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    free_pages: int = 0
-    total_pages: int = 0
-    prefill_tokens_per_s: float = 0.0
-    cached_pages: int = 0
-
-    @classmethod
-    def from_wire(cls, load: dict) -> LoadInfo:
-        get = load.get
-        return cls(get("running", 0), get("waiting", 0), get("queued_prefill_tokens", 0),
-                   get("free_pages", 0), get("total_pages", 0),
-                   get("prefill_tokens_per_s", 0.0), get("cached_pages", 0))
 
 
 @dataclass(slots=True)
@@ -70,7 +52,7 @@ class Candidate:
     name: str  # the replica's base URL, exactly as configured
     reuse: int | None = None  # probed reusable tokens; None: no probe answer in time
     reuse_before_pruning: int | None = None
-    load: LoadInfo | None = None  # from the probe, or the last known snapshot
+    load: LoadSnapshot | None = None  # from the probe, or the last known snapshot
     in_flight: int = 0  # requests this router has open on it
     pending_tokens: int = 0  # uncached tokens routed here that the replica has not queued yet
     pending_reuse: int = 0  # prefix of this request that an unfinished routed prefill covers

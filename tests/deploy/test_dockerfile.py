@@ -91,11 +91,12 @@ def test_base_dependencies_are_pyprojects_less_torch():
 
 
 def test_router_never_imports_torch():
-    # statically: no module of router/ (or what it imports from replicas/) names torch
+    # statically: no module of router/ or wire/ (or what it imports from replicas/) names
+    # torch
     imported = {"replicas." + m for m in re.findall(
         r"from replicas\.([\w.]+) import", "".join(p.read_text() for p in
                                                     (ROOT / "router").rglob("*.py")))}
-    files = list((ROOT / "router").rglob("*.py"))
+    files = list((ROOT / "router").rglob("*.py")) + list((ROOT / "wire").rglob("*.py"))
     for m in imported:  # a module, or a package (all of it)
         path = ROOT / m.replace(".", "/")
         files += sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]

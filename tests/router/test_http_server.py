@@ -9,7 +9,7 @@ import socket
 import pytest
 import uvicorn
 
-from replicas.errors import APIError
+from wire.errors import APIError
 from router import http_server
 from router.asgi import ProxyASGI
 from router.http_server import MAX_HEAD_BYTES

@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 from replicas.tokenizer import ByteTokenizer
-from router.policies import (POLICIES, Candidate, LoadInfo, RouteRequest, block_keys,
+from router.policies import (POLICIES, Candidate, RouteRequest, block_keys,
                              chain_keys, make_policy, text_keys)
 from router.policies.keys import remember, shared_units
+from wire.probe import LoadSnapshot
 
 
 def req(rid="r", n=256, tokens=None, session=None, tpb=32, lazy=False):
@@ -24,8 +25,8 @@ def req(rid="r", n=256, tokens=None, session=None, tpb=32, lazy=False):
 
 def cands(*specs):
     """specs: (name, reuse, queued, rate, in_flight)"""
-    return [Candidate(name, reuse, reuse, LoadInfo(queued_prefill_tokens=q,
-                                                   prefill_tokens_per_s=rate), inflight)
+    return [Candidate(name, reuse, reuse, LoadSnapshot(queued_prefill_tokens=q,
+                                                       prefill_tokens_per_s=rate), inflight)
             for name, reuse, q, rate, inflight in specs]
 
 
@@ -85,7 +86,7 @@ def test_prefix_burst_of_a_new_prefix_follows_the_first_request(lazy):
     chosen = []
     for i in range(40):
         r = req(f"r{i}", tokens=shared + [5000 + i] * 32, lazy=lazy)
-        cs = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e4), 0, queued[n])
+        cs = [Candidate(n, 0, 0, LoadSnapshot(prefill_tokens_per_s=1e4), 0, queued[n])
               for n in queued]
         d = p.choose(r, cs)
         uncached = r.num_tokens - next(c for c in cs if c.name == d.chosen).pending_reuse
@@ -103,7 +104,7 @@ def test_prefix_burst_of_a_new_prefix_follows_the_first_request(lazy):
 
 def test_prefix_keys_are_computed_only_to_compare_with_an_unfinished_prefill():
     p = make_policy("prefix", seed=1)
-    two = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e3)) for n in ("a", "b")]
+    two = [Candidate(n, 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3)) for n in ("a", "b")]
     r1 = req("r1", n=320, lazy=True)
     wire = r1.keys_from[0]
     p.on_routed(r1, p.choose(r1, two).chosen)
@@ -112,7 +113,7 @@ def test_prefix_keys_are_computed_only_to_compare_with_an_unfinished_prefill():
     assert r1.keys_from is not None and r1.keys == ()  # alone: never needed
     r2, r3 = req("r2", n=320, lazy=True), req("r3", n=320, lazy=True)
     p.on_routed(r2, "a")
-    d = p.choose(r3, [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e3)) for n in "ab"])
+    d = p.choose(r3, [Candidate(n, 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3)) for n in "ab"])
     assert d.chosen == "a" and d.candidates[0].pending_reuse == 319
     assert r2.keys_from is None and r3.keys_from is None  # compared: both computed
     assert r2.prefix_keys() == chain_keys(wire, 4 * 32) == block_keys(list(range(320)), 32)
@@ -122,7 +123,7 @@ def test_prefix_keys_are_computed_only_to_compare_with_an_unfinished_prefill():
 def test_prefix_pending_counts_follow_counted_and_uncounted_requests():
     p = make_policy("prefix", seed=1)
     def a():
-        return [Candidate("a", 0, 0, LoadInfo(prefill_tokens_per_s=1e3))]
+        return [Candidate("a", 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3))]
     long_, short = req("long", n=320, lazy=True), req("short", n=128, lazy=True)
     p.on_routed(long_, "a")
     p.on_routed(short, "a")
@@ -145,12 +146,12 @@ def test_prefix_request_id_reused_while_unfinished_replaces_the_first():
     p = make_policy("prefix", seed=1)
     first, second = req("same", n=320), req("same", n=64)
     p.on_routed(first, "a")
-    p.choose(req("x", n=320), [Candidate("a", 0, 0, LoadInfo(prefill_tokens_per_s=1e3))])
+    p.choose(req("x", n=320), [Candidate("a", 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3))])
     p.on_routed(second, "b")
     assert p.pending_requests() == 1 and p._pending["a"] == Counter()
     p.on_prefill_done(second, "b")
     assert p.pending_requests() == 0
-    c = [Candidate(n, 0, 0, LoadInfo(prefill_tokens_per_s=1e3)) for n in "ab"]
+    c = [Candidate(n, 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3)) for n in "ab"]
     p.choose(req("y", n=320), c)
     assert [x.pending_reuse for x in c] == [0, 0]
 
@@ -159,8 +160,8 @@ def test_prefix_pending_reuse_is_dropped_when_done_or_forgotten():
     p = make_policy("prefix", seed=1)
     r = req("x", n=320)
     p.on_routed(r, "a")
-    c = [Candidate("a", 0, 0, LoadInfo(prefill_tokens_per_s=1e3)),
-         Candidate("b", 0, 0, LoadInfo(prefill_tokens_per_s=1e3))]
+    c = [Candidate("a", 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3)),
+         Candidate("b", 0, 0, LoadSnapshot(prefill_tokens_per_s=1e3))]
     assert p.choose(req("y", n=320), c).chosen == "a"
     assert c[0].pending_reuse == 319  # capped: the last token is always computed
     p.on_prefill_done(r, "a")
@@ -263,10 +264,10 @@ def test_a_cold_replica_wins_new_prefixes_over_a_shared_preamble():
         warm = req(f"warm-{name}", tokens=[10_000 * (i + 1) + t for t in range(1088)])
         p.on_routed(warm, name)
         p.on_prefill_done(warm, name)
-    cs = [Candidate("a", 26, 26, LoadInfo(prefill_tokens_per_s=2e4)),
-          Candidate("b", 26, 26, LoadInfo(prefill_tokens_per_s=2e4)),
-          Candidate("cold", 0, 0, LoadInfo(prefill_tokens_per_s=2e4)),
-          Candidate("c", 26, 26, LoadInfo(prefill_tokens_per_s=2e4))]
+    cs = [Candidate("a", 26, 26, LoadSnapshot(prefill_tokens_per_s=2e4)),
+          Candidate("b", 26, 26, LoadSnapshot(prefill_tokens_per_s=2e4)),
+          Candidate("cold", 0, 0, LoadSnapshot(prefill_tokens_per_s=2e4)),
+          Candidate("c", 26, 26, LoadSnapshot(prefill_tokens_per_s=2e4))]
     assert p.choose(req("new", n=1088), cs).chosen == "cold"
 
 

@@ -80,7 +80,7 @@ def test_a_late_probe_gives_its_connection_back_once_answered():
                 await _until(lambda: up.client.idle_connections() == 1, "pooled again")
                 out = await up.probe_all([server.url], b"{}")
                 assert isinstance(out[server.url], ProbeResult)
-                assert out[server.url].num_tokens == 64
+                assert out[server.url].answer.num_tokens == 64
                 # one connection served both: the late one was not closed and re-opened
                 assert (server.connections, server.answered, server.closed_by_client) == \
                     (1, 2, 0)

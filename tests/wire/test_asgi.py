@@ -6,10 +6,10 @@ import json
 
 from fastapi import FastAPI
 
-from replicas.asgi import HotRoutes, document, send_bytes
+from wire.asgi import HotRoutes, document, send_bytes
 from replicas import coalesce
 from replicas.coalesce import CoalescingTransport
-from replicas.errors import APIError
+from wire.errors import APIError
 
 
 def call(app, method: str, path: str, body_parts: list[bytes], headers=()) -> list[dict]:

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 
 from .errors import APIError, error_headers, too_large
 
-log = logging.getLogger("replicas.asgi")
+log = logging.getLogger("wire.asgi")
 
 Handler = Callable[[dict, bytes, Callable, Callable], Awaitable[None]]
 JSON = b"application/json"

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger("replicas.errors")
+log = logging.getLogger("wire.errors")
 
 
 class APIError(Exception):

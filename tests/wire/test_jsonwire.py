@@ -1,4 +1,4 @@
-"""replicas.jsonwire: orjson's speed, the standard library's meaning."""
+"""wire.jsonwire: orjson's speed, the standard library's meaning."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from replicas import jsonwire
+from wire import jsonwire
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)

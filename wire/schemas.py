@@ -10,7 +10,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .text.base import ChatMessage
+from .chat import ChatMessage
+from .probe import LoadSnapshot, ProbeAnswer  # noqa: F401 (the probe's models, here too)
 
 MAX_STOP_SEQUENCES = 4
 
@@ -184,25 +185,6 @@ class ProbeRequest(_Request):
 
 
 # -- responses ---------------------------------------------------------------------------
-
-class LoadSnapshot(BaseModel):
-    running: int
-    waiting: int
-    queued_prefill_tokens: int
-    free_pages: int
-    total_pages: int
-    cached_pages: int
-    prefill_tokens_per_s: float
-    max_num_seqs: int
-    draining: bool
-
-
-class ProbeResponse(BaseModel):
-    num_tokens: int
-    num_tokens_before_hybrid_pruning: int
-    num_prompt_tokens: int
-    load: LoadSnapshot
-
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
