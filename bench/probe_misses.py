@@ -11,6 +11,7 @@ probes without an answer by the deadline (router ``router_probe_failures_total``
 a decision made without that replica's reuse), the probe round trip's p50/p99 (from the
 router's ``router_probe_latency_seconds`` histogram, bucket upper bounds), the router's
 decision overhead p50/p99 (arrival to upstream request, same kind of histogram), TTFT,
+the connections the router opened to the replicas (``router_upstream_connections_opened``),
 and the CPU time of the router, of the replicas and of the load generator over the run
 (from ``/proc``), so the 2 cores' share is visible.
 
@@ -115,6 +116,7 @@ def one_run(concurrency: int, requests, args) -> dict:
         "token_hit_rate": summary["token_hit_rate"],
         "probes_sent": int(sent), "probe_misses": int(misses), "probe_errors": int(errors),
         "probe_miss_rate": misses / sent if sent else None,
+        "connections_opened": int(total(samples, "router_upstream_connections_opened_total")),
         "probe_p50_ms_le": histogram_quantile(samples, "router_probe_latency_seconds", 0.5),
         "probe_p99_ms_le": histogram_quantile(samples, "router_probe_latency_seconds", 0.99),
         "overhead_p50_ms_le": histogram_quantile(samples, "router_overhead_seconds", 0.5),
@@ -161,9 +163,11 @@ def main(argv: list[str] | None = None) -> None:
              f"{(r['probe_miss_rate'] or 0):.2%}",
              f"<={r['probe_p50_ms_le']:g}/<={r['probe_p99_ms_le']:g}",
              f"{r['ttft_ms']['p50']:.1f}/{r['ttft_ms']['p99']:.1f}",
-             f"{r['cpu_utilisation_of_2_cores']:.0%}", r["failed"]] for r in runs]
+             f"{r['cpu_utilisation_of_2_cores']:.0%}", r["failed"], r["connections_opened"]]
+            for r in runs]
     print_table(["concurrency", "hit rate", "vs sequential", "probes", "missed", "miss rate",
-                 "probe p50/p99 ms", "TTFT p50/p99 ms", "CPU of 2 cores", "failed"], rows)
+                 "probe p50/p99 ms", "TTFT p50/p99 ms", "CPU of 2 cores", "failed",
+                 "connections opened"], rows)
     if not args.no_write:
         write_result("probe_misses", {
             "setup": {"workload": {"groups": groups, "prompts_per_group": per_group,

@@ -477,6 +477,7 @@ class Client:
         self.max_buffer = max_buffer
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self.opened: dict[tuple[str, str, int], int] = {}  # connections opened, per server
         self._targets: dict[str, tuple[tuple[str, str, int], str, str]] = {}
 
     # -- requests ----------------------------------------------------------------------
@@ -596,6 +597,7 @@ class Client:
             _, conn = await loop.create_connection(lambda: _Connection(self, key), host, port,
                                                    ssl=context,
                                                    server_hostname=host if context else None)
+        self.opened[key] = self.opened.get(key, 0) + 1
         return conn
 
     def _pool(self, conn: _Connection) -> None:
@@ -628,6 +630,10 @@ class Client:
                 self._pool(conn)
                 count += 1
         return count
+
+    def opened_to(self, base_url: str) -> int:
+        """Connections opened to ``base_url`` so far."""
+        return self.opened.get(self._target(base_url)[0], 0)
 
     def idle_connections(self) -> int:
         return sum(1 for conns in self._idle.values() for c in conns if not c.closed)

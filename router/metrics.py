@@ -177,10 +177,17 @@ class _ReplicaState:
                                     "breaker is open.", labels=["replica"])
         in_flight = GaugeMetricFamily("router_replica_in_flight", "Requests open on the "
                                       "replica.", labels=["replica"])
+        opened = CounterMetricFamily("router_upstream_connections_opened", "Connections the "
+                                     "router opened to the replica (probes, forwarded "
+                                     "requests, checks, warm connections).",
+                                     labels=["replica"])
+        client = self.service.upstream.client
         for url, rep in self.service.registry.replicas.items():
             healthy.add_metric([url], 1.0 if rep.health.value == "healthy" else 0.0)
             circuit.add_metric([url], 1.0 if rep.circuit.value == "open" else 0.0)
             in_flight.add_metric([url], rep.in_flight)
+            opened.add_metric([url], client.opened_to(url))
         yield healthy
         yield circuit
         yield in_flight
+        yield opened

@@ -120,6 +120,7 @@ def test_warm_opens_connections_up_to_the_count_and_probes_use_them():
                 assert server.connections == 3  # the probe took a warm one
                 assert await up.warm(server.url) == 0
                 assert up.client.idle_connections() == 3
+                assert up.client.opened_to(server.url) == 3
             finally:
                 await up.close()
     asyncio.run(main())
@@ -148,6 +149,15 @@ def test_the_router_warms_connections_to_a_replica_it_admits():
                 (r,) = svc.registry.replicas.values()
                 assert r.health.value == "healthy"
                 assert svc.upstream.client.idle_connections() == 5
+                # the admission checks reused one of them or opened their own
+                opened = svc.upstream.client.opened_to(replica.url)
+                assert 5 <= opened <= 6
+                from prometheus_client import generate_latest
+
+                from router.metrics import RouterMetrics
+                text = generate_latest(RouterMetrics(svc).registry).decode()
+                assert f'router_upstream_connections_opened_total{{replica="{replica.url}"}} ' \
+                    f'{float(opened)}' in text
             finally:
                 await svc.stop()
         asyncio.run(main())
