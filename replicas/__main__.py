@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                             http=CoalescingHttpToolsProtocol, proxy_headers=False,
                             server_header=False,
                             log_level=settings.log_level, access_log=False,
+                            timeout_keep_alive=settings.keepalive_s,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings, app.state.service)
     log.info("replica %s (%s engine, %d KV pages of %d tokens) on http://%s:%d",

@@ -61,6 +61,9 @@ class ReplicaSettings(BaseSettings):
     fault_cut_stream_after: Optional[int] = Field(default=None, ge=0)  # drop streams after N
     # operations
     drain_timeout_s: float = Field(default=30.0, ge=0)
+    # idle keep-alive connections are closed after this long; longer than uvicorn's 5 s:
+    # the router keeps warm connections to its replicas for up to upstream_keepalive_s (60)
+    keepalive_s: float = Field(default=75.0, gt=0)
     log_level: str = "info"
 
 

@@ -9,12 +9,16 @@ and parses the answer on an ``asyncio.Protocol`` as it arrives:
 
 - keep-alive connections pooled per (scheme, host, port); a connection goes back to the pool
   as soon as its answer has been read in full, one that was abandoned half-way (a deadline, a
-  client that left) is closed, which is also how a replica learns that nobody is listening;
+  client that left) is closed, which is also how a replica learns that nobody is listening
+  (a caller may instead ``release`` an answer it knows is nearly over: the connection is
+  pooled when it ends, as ``Upstream`` does with a late probe);
 - bodies framed by ``Content-Length``, ``Transfer-Encoding: chunked`` (how uvicorn streams
   SSE) or the end of the connection; TLS through the event loop's own support;
 - at most ``max_idle_per_host`` idle connections are kept per server (the newest), idle
-  ones are dropped after ``keepalive_s`` (below uvicorn's 5 s), and a request that is safe
-  to repeat (GET, HEAD, or one the caller marks ``repeatable``, as the router's probes)
+  ones are dropped after ``keepalive_s`` (below the server's own keep-alive: the router
+  passes 60 s for its replicas, 4 s for other servers, below uvicorn's 5 s), and a request
+  that is safe to repeat (GET, HEAD, or one the caller marks ``repeatable``, as the router's
+  probes)
   whose reused connection turns out to have been closed by the server before any byte of
   the answer came back is sent once more on a fresh connection; any other request fails
   with ``UpstreamClosed`` (the server may have read it: a completion must not run twice);

@@ -54,6 +54,10 @@ class RouterSettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)  # first try + retries on other replicas
     retry_budget_ratio: float = Field(default=0.2, ge=0)  # retries per request, long-run cap
     connect_timeout_s: float = Field(default=1.0, gt=0)
+    # an idle connection to a replica is not reused after this long: below the replicas'
+    # own keep-alive (ours: --keepalive-s 75; uvicorn's default, e.g. a vLLM server: 5 s).
+    # Unset: 60 s for our replicas, 4 s for --backend openai
+    upstream_keepalive_s: Optional[float] = Field(default=None, gt=0)
     first_byte_timeout_s: float = Field(default=60.0, gt=0)  # from sending to the first token
     idle_timeout_s: float = Field(default=60.0, gt=0)
     total_timeout_s: float = Field(default=600.0, gt=0)

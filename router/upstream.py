@@ -38,7 +38,9 @@ class ProbeFailed(Exception):
 class Upstream:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.client = Client(settings.connect_timeout_s)
+        keepalive = settings.upstream_keepalive_s or (60.0 if settings.backend == "ours"
+                                                      else 4.0)
+        self.client = Client(settings.connect_timeout_s, keepalive_s=keepalive)
         self._internal = ({"authorization": f"Bearer {settings.internal_token}"}
                           if settings.internal_token else {})
         self._probe_headers = {"content-type": "application/json", **self._internal}

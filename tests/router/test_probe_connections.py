@@ -163,3 +163,18 @@ def test_the_router_warms_connections_to_a_replica_it_admits():
         asyncio.run(main())
     finally:
         replica.stop()
+
+
+def test_idle_replica_connections_are_kept_below_the_replicas_keepalive():
+    async def main():
+        ours = Upstream(RouterSettings())
+        other = Upstream(RouterSettings(backend="openai", policy="round_robin"))
+        chosen = Upstream(RouterSettings(upstream_keepalive_s=12))
+        try:
+            # our replicas keep idle connections 75 s (--keepalive-s); uvicorn's default 5 s
+            assert (ours.client.keepalive_s, other.client.keepalive_s,
+                    chosen.client.keepalive_s) == (60.0, 4.0, 12.0)
+        finally:
+            for up in (ours, other, chosen):
+                await up.close()
+    asyncio.run(main())
