@@ -12,6 +12,7 @@ a decision made without that replica's reuse), the probe round trip's p50/p99 (f
 router's ``router_probe_latency_seconds`` histogram, bucket upper bounds), the router's
 decision overhead p50/p99 (arrival to upstream request, same kind of histogram), TTFT,
 the connections the router opened to the replicas (``router_upstream_connections_opened``),
+the probe round trips' whole histogram (cumulative counts per bucket),
 and the CPU time of the router, of the replicas and of the load generator over the run
 (from ``/proc``), so the 2 cores' share is visible.
 
@@ -87,6 +88,15 @@ def histogram_quantile(samples, name: str, q: float) -> float | None:
     return None
 
 
+def buckets(samples, name: str) -> dict[str, float]:
+    """A histogram's cumulative bucket counts (upper bound -> count), summed over labels."""
+    out: dict[str, float] = {}
+    for n, labels, v in samples:
+        if n == name + "_bucket":
+            out[labels["le"]] = out.get(labels["le"], 0.0) + v
+    return out
+
+
 def one_run(concurrency: int, requests, args) -> dict:
     replica_args = ["--engine", "sim", "--kv-pages", str(args.kv_pages), "--tokens-per-block",
                     str(args.tokens_per_block), "--log-level", "warning"]
@@ -119,6 +129,7 @@ def one_run(concurrency: int, requests, args) -> dict:
         "connections_opened": int(total(samples, "router_upstream_connections_opened_total")),
         "probe_p50_ms_le": histogram_quantile(samples, "router_probe_latency_seconds", 0.5),
         "probe_p99_ms_le": histogram_quantile(samples, "router_probe_latency_seconds", 0.99),
+        "probe_latency_buckets_s": buckets(samples, "router_probe_latency_seconds"),
         "overhead_p50_ms_le": histogram_quantile(samples, "router_overhead_seconds", 0.5),
         "overhead_p99_ms_le": histogram_quantile(samples, "router_overhead_seconds", 0.99),
         "ttft_ms": summary["ttft_ms"],
