@@ -1,11 +1,15 @@
 """Soak: a mixed workload through the router for minutes, restarting replicas periodically.
 
 Reports lost requests (target: 0 that had not started streaming), leaked KV pages after the
-load stops (target: 0), and the router's memory growth (RSS sampled every 30 s).
+load stops (target: 0), and the router's memory growth (RSS sampled every 30 s). Every
+answer is checked to its end (``loadtest/checked.py``: a stream without ``[DONE]``, an error
+event, a short answer or an unreadable body is a failure), and a fifth of the requests are
+streams whose client disconnects after two content events (their KV pages must be freed:
+the leak count covers them).
 
 Setup: 4 sim replicas (speed-up 5) behind the router (prefix policy, health checks every
 0.5 s). Load: 8 closed-loop clients mixing shared-prefix completions (streaming and not),
-multi-turn chat that carries its history, and one-off prompts. Every ``--restart-every``
+multi-turn chat that carries its history, one-off prompts, and streams left mid-way. Every ``--restart-every``
 seconds one replica is restarted on the same port, alternating a graceful SIGTERM (drain)
 and a SIGKILL. Only processes this benchmark started are signalled.
 
@@ -22,6 +26,7 @@ import time
 
 import httpx
 
+from loadtest.checked import checked_request
 from loadtest.processes import ServerProcess
 
 from ._common import print_table, write_result
@@ -45,6 +50,7 @@ class Soak:
         self.systems = ["".join(self.rng.choices("abcdefghij ", k=1500)) for _ in range(12)]
         self.outcomes: dict[str, int] = {}
         self.lost_before_streaming: list[str] = []
+        self.broken: list[str] = []
 
     def count(self, key: str) -> None:
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
@@ -53,7 +59,7 @@ class Soak:
         rng = random.Random(cid)
         history: list[dict] = []
         while time.monotonic() < deadline:
-            kind = rng.choice(["prefix", "prefix-stream", "chat", "oneoff"])
+            kind = rng.choice(["prefix", "prefix-stream", "chat", "oneoff", "disconnect"])
             if kind == "chat":
                 history = history[-6:] + [{"role": "user", "content": f"turn {rng.random()}"}]
                 path, body = "/v1/chat/completions", {"messages": history, "max_tokens": 24}
@@ -63,41 +69,25 @@ class Soak:
             else:
                 path, body = "/v1/completions", {
                     "prompt": rng.choice(self.systems) + f" q{rng.random()}", "max_tokens": 16}
-            body["stream"] = kind == "prefix-stream" or (kind == "chat" and rng.random() < .5)
+            body["stream"] = kind in ("prefix-stream", "disconnect") or (
+                kind == "chat" and rng.random() < .5)
             await self.one(c, path, body, kind)
             if kind == "chat":
                 history.append({"role": "assistant", "content": "ok"})
 
     async def one(self, c: httpx.AsyncClient, path: str, body: dict, kind: str) -> None:
-        started = False
-        try:
-            if not body["stream"]:
-                r = await c.post(path, json=body)
-                self.count("ok" if r.status_code == 200 else f"http {r.status_code}")
-                if r.status_code != 200:
-                    self.lost_before_streaming.append(f"{kind}: {r.status_code} {r.text[:120]}")
-                return
-            async with c.stream("POST", path, json=body) as r:
-                if r.status_code != 200:
-                    self.count(f"http {r.status_code}")
-                    self.lost_before_streaming.append(f"{kind}: {r.status_code}")
-                    return
-                error = False
-                async for line in r.aiter_lines():
-                    if line.startswith('data: {"error"'):
-                        error = True
-                    elif line.startswith("data: {"):
-                        started = True
-                if error:
-                    self.count("broken after streaming began" if started else "lost")
-                    if not started:
-                        self.lost_before_streaming.append(f"{kind}: error before any token")
-                else:
-                    self.count("ok")
-        except httpx.HTTPError as exc:
-            self.count("broken after streaming began" if started else "lost")
-            if not started:
-                self.lost_before_streaming.append(f"{kind}: {exc!r}")
+        """One request, checked to its end (``loadtest/checked.py``); ``disconnect``
+        leaves after two content events."""
+        o = await checked_request(c, path, body,
+                                  disconnect_after=2 if kind == "disconnect" else None)
+        if o.ok:
+            self.count("left on purpose mid-stream" if o.disconnected else "ok")
+        elif o.started:
+            self.count("broken after streaming began")
+            self.broken.append(f"{kind} on {o.replica}: {o.error}")
+        else:
+            self.count("lost before streaming")
+            self.lost_before_streaming.append(f"{kind} on {o.replica}: {o.error}")
 
 
 async def restarts(reps: list[ServerProcess], every: float, deadline: float, log: list) -> None:
@@ -114,6 +104,18 @@ async def restarts(reps: list[ServerProcess], every: float, deadline: float, log
         log.append({"at_s": round(time.monotonic() - (deadline - every), 1), "replica": old.url,
                     "how": how})
         n += 1
+
+
+def idle_used_pages(url: str, wait_s: float = 30.0) -> int:
+    """The replica's used KV pages once it runs and queues nothing (a request cancelled as
+    the load stopped may still be finishing: waited for, up to ``wait_s``)."""
+    end = time.monotonic() + wait_s
+    while True:
+        stats = httpx.get(url + "/stats", timeout=10).json()
+        if stats["load"]["running"] == stats["load"]["waiting"] == 0 or \
+                time.monotonic() > end:
+            return stats["kv_cache"]["used_pages"]
+        time.sleep(0.1)
 
 
 async def sample_rss(pid: int, deadline: float, out: list) -> None:
@@ -151,20 +153,22 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(run())
             elapsed = time.monotonic() - t0
             rss.append(round(rss_mb(router.proc.pid), 1))
-            time.sleep(1.0)  # let the last cancellations land
-            leaked = {r.url: httpx.get(r.url + "/stats").json()["kv_cache"]["used_pages"]
-                      for r in reps}
+            leaked = {r.url: idle_used_pages(r.url) for r in reps}
     finally:
         for r in reps:
             r.stop()
     total = sum(soak.outcomes.values())
     result = {"minutes": args.minutes, "seconds": round(elapsed, 1), "requests": total,
               "outcomes": soak.outcomes, "lost_before_streaming": len(soak.lost_before_streaming),
-              "lost_examples": soak.lost_before_streaming[:10], "leaked_pages": leaked,
+              "lost_examples": soak.lost_before_streaming[:10],
+              "broken_examples": soak.broken[:10], "leaked_pages": leaked,
               "router_rss_mb": rss, "restarts": restart_log}
-    print_table(["requests", "ok", "lost before streaming", "broken after streaming began",
-                 "leaked pages", "router RSS MB (first -> last)"],
-                [[total, soak.outcomes.get("ok", 0), len(soak.lost_before_streaming),
+    print_table(["requests", "ok", "left mid-stream on purpose", "lost before streaming",
+                 "broken after streaming began", "leaked pages",
+                 "router RSS MB (first -> last)"],
+                [[total, soak.outcomes.get("ok", 0),
+                  soak.outcomes.get("left on purpose mid-stream", 0),
+                  len(soak.lost_before_streaming),
                   soak.outcomes.get("broken after streaming began", 0), sum(leaked.values()),
                   f"{rss[0]} -> {rss[-1]}"]])
     print(f"{len(restart_log)} restarts; outcomes {soak.outcomes}")
