@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run demo test bench clean
+.PHONY: bench-all setup run demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
@@ -43,6 +43,18 @@ bench: setup
 	$(PY) -m bench.kvcache_scaling
 	$(PY) -m bench.kvcache_cycles
 	$(PY) -m bench.kvcache_hybrid
+
+bench-all: bench
+	$(PY) -m bench.hf_engine
+	$(PY) -m bench.checkpoint_load
+	$(PY) -m bench.torch_ttft
+	$(PY) -m bench.replica_sim
+	$(PY) -m bench.router_overhead --clients http1,aiohttp,httpx
+	$(PY) -m bench.router_policies
+	$(PY) -m bench.probe_misses
+	$(PY) -m bench.faults
+	$(PY) -m bench.soak
+	$(PY) -m loadtest compare --external sglang --out-dir artifacts/compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
