@@ -27,7 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     use_reference_workload(p)
     s = p.add_argument_group("simulation")
-    s.add_argument("--rate", type=float, default=40.0, help="Poisson arrivals per second (40)")
+    s.add_argument("--rate", type=float, default=12.0,
+                   help="Poisson arrivals per second (12: the reference workload's, as in "
+                        "loadtest compare)")
     s.add_argument("--burstiness", type=float, default=1.0)
     s.add_argument("--replicas", type=int, default=8)
     s.add_argument("--kv-pages", type=int, default=512, help="per replica (512)")
