@@ -1,7 +1,10 @@
-"""A local cluster: N replicas and a router as processes on loopback ports.
+"""A local cluster: N replicas and a router (or several) as processes on loopback ports.
 
     with LocalCluster(replicas=3, policy="prefix") as c:
         c.router.url, [r.url for r in c.replicas]
+
+``routers=K`` starts K independent routers in front of the same replicas (``c.routers``;
+``c.router`` is the first): no state is shared between them.
 
 ``python -m loadtest cluster`` runs one until Ctrl-C (what ``make run`` starts).
 """
@@ -18,15 +21,17 @@ class LocalCluster:
     def __init__(self, replicas: int = 3, policy: str = "prefix",
                  replica_args: Sequence[str] = ("--engine", "sim"),
                  router_args: Sequence[str] = (), log_dir: Path | None = None,
-                 router_port: int | None = None) -> None:
+                 router_port: int | None = None, routers: int = 1) -> None:
         self.n = replicas
         self.policy = policy
         self.replica_args = tuple(replica_args)
         self.router_args = tuple(router_args)
         self.log_dir = log_dir
         self.router_port = router_port
+        self.n_routers = routers  # independent routers before the same replicas
         self.replicas: list[ServerProcess] = []
-        self.router: ServerProcess | None = None
+        self.router: ServerProcess | None = None  # the first of ``routers``
+        self.routers: list[ServerProcess] = []
 
     def start(self) -> LocalCluster:
         try:
@@ -34,17 +39,19 @@ class LocalCluster:
                 self.replicas.append(ServerProcess("replicas", *self.replica_args,
                                                    log_dir=self.log_dir))
             urls = ",".join(r.url for r in self.replicas)
-            self.router = ServerProcess("router", "--replicas", urls, "--policy", self.policy,
-                                        *self.router_args, log_dir=self.log_dir,
-                                        port=self.router_port)
+            for i in range(self.n_routers):
+                self.routers.append(ServerProcess(
+                    "router", "--replicas", urls, "--policy", self.policy, *self.router_args,
+                    log_dir=self.log_dir, port=self.router_port if i == 0 else None))
+            self.router = self.routers[0]
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
-        if self.router is not None:
-            self.router.stop()
+        for router in self.routers:
+            router.stop()
         for r in self.replicas:
             r.stop()
 

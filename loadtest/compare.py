@@ -16,10 +16,13 @@ table), and PNG plots: ``hit_rate.png``, ``ttft_cdf.png``, ``replica_load.png``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,32 +37,93 @@ from .workloads import Request
 
 
 def run_policy(policy: str, requests: list[Request], config: DriverConfig, replicas: int,
-               replica_args: list[str], router_args: list[str], log_dir: Path) -> dict:
-    with LocalCluster(replicas, policy, replica_args, router_args, log_dir=log_dir) as c:
-        result = run(requests, replace(config, url=c.router.url))
-        doc = build_report(result, include_records=True)
-        doc["replica_stats"] = _replica_prefill([r.url for r in c.replicas])
-        doc["replicas_alive"] = sum(r.proc.poll() is None for r in c.replicas)
+               replica_args: list[str], router_args: list[str], log_dir: Path,
+               routers: int = 1, restart_at: float | None = None,
+               window_s: float = 5.0) -> dict:
+    """A fresh cluster (``routers`` independent routers before ``replicas`` replicas)
+    for ``policy``; ``restart_at`` s into the run, replica 0 is killed and started again
+    on its port, empty."""
+    with LocalCluster(replicas, policy, replica_args, router_args, log_dir=log_dir,
+                      routers=routers) as c:
+        restarted = _restart_later(c.replicas, 0, restart_at, replica_args, log_dir)
+        result = run(requests, replace(config, url=c.routers[0].url,
+                                       more_urls=tuple(r.url for r in c.routers[1:])))
+        doc = _finish(result, c.replicas, restarted, window_s)
     return doc
+
+
+def _restart_later(reps: list[ServerProcess], i: int, at: float | None,
+                   replica_args: list[str], log_dir: Path) -> dict:
+    """From a thread: ``at`` s from now, SIGKILL ``reps[i]`` and start it again on the
+    same port (an empty cache); the dict gets ``at_s`` and ``ready_s`` (from now)."""
+    info: dict = {}
+    if at is None:
+        return info
+    t0 = time.monotonic()
+
+    def restart() -> None:
+        time.sleep(at)
+        old = reps[i]
+        info["at_s"] = time.monotonic() - t0
+        old.proc.kill()
+        old.proc.wait(10)
+        old.stop()
+        reps[i] = ServerProcess("replicas", *replica_args, port=old.port, log_dir=log_dir)
+        info["ready_s"] = time.monotonic() - t0
+    info["thread"] = threading.Thread(target=restart, daemon=True)
+    info["thread"].start()
+    return info
+
+
+def _finish(result, reps: list[ServerProcess], restarted: dict,
+            window_s: float = 5.0) -> dict:
+    if "thread" in restarted:
+        restarted.pop("thread").join(120)
+    doc = build_report(result, include_records=True)
+    doc["replica_stats"] = _replica_prefill([r.url for r in reps])
+    doc["replicas_alive"] = sum(r.proc.poll() is None for r in reps)
+    if restarted:
+        doc["restart"] = {**restarted, "replica": reps[0].url, "window_s": window_s,
+                          "windows": hit_rate_windows(doc["records"], window_s)}
+    return doc
+
+
+def hit_rate_windows(records: list[dict], width_s: float) -> list[dict]:
+    """Token hit rate of the requests sent in each ``width_s`` window of the run."""
+    windows: dict[int, list[int]] = {}
+    for r in records:
+        if r.get("prompt_tokens"):
+            w = windows.setdefault(int(r["start_s"] // width_s), [0, 0])
+            w[0] += r.get("cached_tokens") or 0
+            w[1] += r["prompt_tokens"]
+    return [{"from_s": k * width_s, "hit_rate": c / p if p else None, "prompt_tokens": p}
+            for k, (c, p) in sorted(windows.items())]
 
 
 def run_external(name: str, command: str | None, requests: list[Request],
                  config: DriverConfig, replicas: int, replica_args: list[str],
-                 log_dir: Path) -> dict:
-    """Our replicas behind an external router (``sglang`` or a command template)."""
+                 log_dir: Path, routers: int = 1, restart_at: float | None = None,
+                 window_s: float = 5.0) -> dict:
+    """Our replicas behind an external router (``sglang`` or a command template);
+    ``routers`` gateway processes side by side, as ``run_policy``."""
     workers = [ServerProcess("replicas", *replica_args, log_dir=log_dir) for _ in range(replicas)]
     try:
         urls = [w.url for w in workers]
         if command is None:
             from .peers import SGLangRouter
-            with SGLangRouter(urls, policy="cache_aware", log_dir=log_dir) as gw:
-                result = run(requests, replace(config, url=gw.url, model=gw.model))
+            with contextlib.ExitStack() as stack:
+                gws = [stack.enter_context(SGLangRouter(urls, policy="cache_aware",
+                                                        log_dir=log_dir))
+                       for _ in range(routers)]
+                restarted = _restart_later(workers, 0, restart_at, replica_args, log_dir)
+                result = run(requests, replace(config, url=gws[0].url, model=gws[0].model,
+                                               more_urls=tuple(g.url for g in gws[1:])))
         else:
+            if routers != 1 or restart_at is not None:
+                raise ValueError("--external-cmd runs one router, without restarts")
+            restarted = {}
             result = _run_command_router(command, urls, requests, config, log_dir)
-        doc = build_report(result, include_records=True)
-        doc["replica_stats"] = _replica_prefill(urls)
-        doc["replicas_alive"] = sum(w.proc.poll() is None for w in workers)
-        return doc
+        return _finish(result, workers, restarted, window_s)
     finally:
         for w in workers:
             w.stop()
@@ -85,7 +149,6 @@ def _run_command_router(command: str, urls: list[str], requests, config, log_dir
 
 
 def _wait_models(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import time
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -128,6 +191,8 @@ def summary_row(name: str, doc: dict, rr: dict | None) -> dict:
            "imbalance": max(prefill) / mean if mean else None,
            "request_throughput": s["request_throughput"], "failed": s["failed"],
            "replicas_alive": doc.get("replicas_alive")}
+    if "restart" in doc:
+        row.update(recovery(doc["restart"]))
     if rr is not None:
         rs = rr["summary"]
         row["hit_rate_x_rr"] = s["token_hit_rate"] / rs["token_hit_rate"] \
@@ -135,6 +200,22 @@ def summary_row(name: str, doc: dict, rr: dict | None) -> dict:
         row["ttft_mean_x_rr"] = s["ttft_ms"]["mean"] / rs["ttft_ms"]["mean"] \
             if rs["ttft_ms"]["mean"] else None
     return row
+
+
+def recovery(restart: dict) -> dict:
+    """Hit rate before the restart (whole windows), in the first window after the replica
+    was back, and how long after it was back the hit rate first reached 95% of before."""
+    at, ready, width = restart["at_s"], restart["ready_s"], restart["window_s"]
+    windows = [w for w in restart["windows"] if w["hit_rate"] is not None]
+    before = [w for w in windows if w["from_s"] + width <= at]
+    after = [w for w in windows if w["from_s"] >= ready]
+    pre = (sum(w["hit_rate"] * w["prompt_tokens"] for w in before) /
+           sum(w["prompt_tokens"] for w in before)) if before else None
+    back = next((w["from_s"] + width - ready for w in after
+                 if pre is not None and w["hit_rate"] >= 0.95 * pre), None)
+    return {"window_s": width, "hit_rate_before_restart": pre,
+            "hit_rate_first_window_after": after[0]["hit_rate"] if after else None,
+            "recovered_after_s": back}
 
 
 def markdown(rows: list[dict], bound: dict, setup: str) -> str:
@@ -153,6 +234,16 @@ def markdown(rows: list[dict], bound: dict, setup: str) -> str:
     lines.append("")
     lines.append(f"Bounds on the same request sequence: pooled {bound['pooled']:.3f}, "
                  f"infinite {bound['infinite']:.3f}.")
+    if any("hit_rate_before_restart" in r for r in rows):
+        width = next(r["window_s"] for r in rows if "window_s" in r)
+        lines += ["", f"A replica restarted empty during the run ({width:g} s windows):", "",
+                  "| policy | hit rate before | first window after it was back | back to "
+                  "95% of before after |", "|---|---|---|---|"]
+        for r in rows:
+            back = r.get("recovered_after_s")
+            lines.append(f"| {r['policy']} | {_f(r.get('hit_rate_before_restart'), '.3f')} "
+                         f"| {_f(r.get('hit_rate_first_window_after'), '.3f')} | "
+                         f"{'not within the run' if back is None else f'<= {back:.0f} s'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -29,6 +29,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--replicas", type=int, default=8)
     c.add_argument("--kv-pages", type=int, default=512, help="per replica (512)")
     c.add_argument("--tokens-per-block", type=int, default=32)
+    c.add_argument("--routers", default="1",
+                   help="independent routers before the same replicas (requests spread over "
+                        "them, sessions sticky); a comma-separated list makes one column per "
+                        "policy and count, e.g. 1,2,4,8 (1)")
+    c.add_argument("--restart-at", type=float, default=None, metavar="SECONDS",
+                   help="kill replica 0 this long into each run and start it again, empty, "
+                        "on its port; the table then shows how the hit rate recovered")
+    c.add_argument("--window-s", type=float, default=5.0,
+                   help="with --restart-at: the windows the hit rate is measured over (5)")
     c.add_argument("--replica-args", default="", help="more replica flags, one string")
     c.add_argument("--router-args", default="", help="more router flags, one string")
     c.add_argument("--external", action="append", default=[], choices=["sglang"],
@@ -58,15 +67,23 @@ def run(args: argparse.Namespace) -> int:
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     docs: dict[str, dict] = {}
+    counts = [int(n) for n in args.routers.split(",") if n]
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--routers needs counts >= 1, got {args.routers!r}")
+    label = (lambda name, n: name) if counts == [1] else (lambda name, n: f"{name} x{n}")
     for policy in [p for p in args.policies.split(",") if p]:
-        print(f"== {policy}: {args.replicas} replicas + router, {len(requests)} requests",
-              file=sys.stderr)
-        docs[policy] = compare.run_policy(policy, requests, config, args.replicas,
-                                          replica_args, router_args, log_dir)
+        for n in counts:
+            print(f"== {label(policy, n)}: {args.replicas} replicas + {n} router(s), "
+                  f"{len(requests)} requests", file=sys.stderr)
+            docs[label(policy, n)] = compare.run_policy(
+                policy, requests, config, args.replicas, replica_args, router_args, log_dir,
+                routers=n, restart_at=args.restart_at, window_s=args.window_s)
     for name in args.external:
-        print(f"== {name} (external)", file=sys.stderr)
-        docs[name] = compare.run_external(name, None, requests, config, args.replicas,
-                                          replica_args, log_dir)
+        for n in counts:
+            print(f"== {label(name, n)} (external)", file=sys.stderr)
+            docs[label(name, n)] = compare.run_external(
+                name, None, requests, config, args.replicas, replica_args, log_dir,
+                routers=n, restart_at=args.restart_at, window_s=args.window_s)
     for spec in args.external_cmd:
         name, _, command = spec.partition("=")
         if not command:
@@ -76,16 +93,22 @@ def run(args: argparse.Namespace) -> int:
                                           replica_args, log_dir)
     bound = compare.bounds(requests, config, args.replicas, args.kv_pages,
                            args.tokens_per_block)
-    rr = docs.get("round_robin")
+    rr = docs.get(label("round_robin", counts[0]))
     rows = [compare.summary_row(name, doc, rr) for name, doc in docs.items()]
     setup = {"workload": desc, "replicas": args.replicas, "kv_pages": args.kv_pages,
              "tokens_per_block": args.tokens_per_block, "rate": args.rate,
              "burstiness": args.burstiness, "concurrency": args.concurrency,
+             "routers": counts, "restart_at": args.restart_at,
              "replica_args": replica_args, "router_args": router_args}
     text = (f"Workload {desc}; {args.replicas} sim replicas x {args.kv_pages} KV pages of "
             f"{args.tokens_per_block} tokens; arrivals: rate {args.rate}/s, burstiness "
-            f"{args.burstiness}.")
+            f"{args.burstiness}" +
+            (f"; {'/'.join(map(str, counts))} independent routers (xN)" if counts != [1]
+             else "") +
+            (f"; replica 0 restarted empty {args.restart_at:g} s in" if args.restart_at
+             else "") + ".")
     compare.write(out_dir, docs, rows, bound, setup, text)
     print(compare.markdown(rows, bound, text))
     print(f"wrote {out_dir}/compare.json, compare.md and plots", file=sys.stderr)
-    return 0 if all(r["failed"] == 0 for r in rows) else 1
+    # a restart kills the streams flowing from that replica: its failures are the table's
+    return 0 if args.restart_at is not None or all(r["failed"] == 0 for r in rows) else 1

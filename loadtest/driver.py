@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import hashlib
 import json
 import random
 import sys
@@ -57,6 +58,10 @@ class DriverConfig:
     ignore_eos: bool = True  # ask for exactly max_tokens (servers that don't know it ignore it)
     session_header: str = "x-session-id"  # carries Request.session (the router's default)
     api_key: str | None = None  # sent as a bearer token
+    # more front ends beside ``url`` (several independent routers before the same
+    # replicas): a request of a session always goes to the same one (hash of the session),
+    # others go to each in turn, as a load balancer in front of them would send them
+    more_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rate is not None and self.rate <= 0:
@@ -199,6 +204,7 @@ class _Run:
         self.finished = {r.request_id: asyncio.Event() for r in self.requests}
         self.previous = _previous_in_session(self.requests)
         self.start = 0.0
+        self._turn = 0  # requests without a session sent so far (more_urls: whose turn)
 
     async def go(self) -> RunResult:
         started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -241,7 +247,7 @@ class _Run:
         self.records.append(rec)
         headers = {self.config.session_header: req.session} if req.session else None
         try:
-            async with self.http.post(self.config.url + req.path, json=self._body(req),
+            async with self.http.post(self._front(req) + req.path, json=self._body(req),
                                       headers=headers) as resp:
                 rec.status = resp.status
                 rec.replica = resp.headers.get("x-replica")
@@ -259,6 +265,17 @@ class _Run:
             rec.e2e_s = time.perf_counter() - t0
             if self.progress is not None and rec.error != CANCELLED:
                 self.progress.update(rec.ok)
+
+    def _front(self, req: Request) -> str:
+        """The front end (router) this request goes to."""
+        if not self.config.more_urls:
+            return self.config.url
+        fronts = (self.config.url, *self.config.more_urls)
+        if req.session is not None:
+            digest = hashlib.blake2b(req.session.encode(), digest_size=8).digest()
+            return fronts[int.from_bytes(digest, "little") % len(fronts)]
+        self._turn += 1
+        return fronts[(self._turn - 1) % len(fronts)]
 
     def _body(self, req: Request) -> dict:
         body: dict = {"model": self.model, "max_tokens": req.max_tokens, "stream": True,

@@ -28,3 +28,30 @@ def test_compare_writes_json_markdown_and_plots(tmp_path):
     for name in ("compare.md", "hit_rate.png", "ttft_cdf.png", "replica_load.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| prefix |" in (tmp_path / "compare.md").read_text()
+
+
+def test_several_routers_and_a_replica_restarted_empty(tmp_path):
+    """--routers 1,2 makes a column per count, the requests spread over the routers (each
+    routed some); --restart-at restarts replica 0 empty mid-run and reports the recovery."""
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest", "compare", "--groups", "3", "--prompts-per-group",
+         "10", "--system-len", "256", "--question-len", "32", "--output-len", "4",
+         "--replicas", "2", "--kv-pages", "64", "--policies", "prefix", "--routers", "1,2",
+         "--restart-at", "1.0", "--window-s", "0.5", "--rate", "15", "--replica-args", "--sim-speedup 10",
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert [r["policy"] for r in doc["rows"]] == ["prefix x1", "prefix x2"]
+    for row in doc["rows"]:
+        assert row["replicas_alive"] == 2  # the restarted one is back
+        assert row["hit_rate_before_restart"] is not None
+    for run in doc["runs"].values():  # only requests cut by the kill may fail
+        assert run["summary"]["failed"] <= 4, run["summary"]["errors"]
+    for name, run in doc["runs"].items():
+        restart = run["restart"]
+        assert 1.0 <= restart["at_s"] < restart["ready_s"]
+        assert sum(w["prompt_tokens"] for w in restart["windows"]) == \
+            run["summary"]["prompt_tokens"]
+    md = (tmp_path / "compare.md").read_text()
+    assert "| prefix x2 |" in md and "A replica restarted empty during the run" in md
