@@ -171,6 +171,13 @@ def _replica_prefill(urls: list[str]) -> dict[str, dict]:
     return out
 
 
+def working_set_blocks(requests: list[Request], tokens_per_block: int) -> int:
+    """Distinct full blocks (prefix keys) over every prompt of ``requests``: the pages a
+    cache holding all of them at once would need."""
+    sim = to_sim_requests(requests, [None] * len(requests), tokens_per_block)
+    return len({k for r in sim for k in r.keys})
+
+
 def bounds(requests: list[Request], config: DriverConfig, replicas: int, kv_pages: int,
            tokens_per_block: int) -> dict:
     """Pooled and infinite bounds of the same requests in the same arrival order."""

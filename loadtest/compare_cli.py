@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--policies", default=ALL_POLICIES, help="comma-separated (all seven)")
     c.add_argument("--replicas", type=int, default=8)
     c.add_argument("--kv-pages", type=int, default=512, help="per replica (512)")
+    c.add_argument("--cache-pressure", type=float, default=None, metavar="X",
+                   help="size --kv-pages so that the workload's working set (its distinct "
+                        "prompt blocks) is X times the cluster's pages, e.g. 3")
     c.add_argument("--tokens-per-block", type=int, default=32)
     c.add_argument("--routers", default="1",
                    help="independent routers before the same replicas (requests spread over "
@@ -55,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     requests, desc = workload_from_args(args)
+    if args.cache_pressure is not None:
+        blocks = compare.working_set_blocks(requests, args.tokens_per_block)
+        args.kv_pages = max(1, int(blocks / (args.cache_pressure * args.replicas)))
+        print(f"cache pressure {args.cache_pressure:g}: working set {blocks} blocks, "
+              f"{args.kv_pages} KV pages per replica", file=sys.stderr)
     config = DriverConfig(url="", rate=args.rate, burstiness=args.burstiness,
                           concurrency=args.concurrency, max_seconds=args.max_seconds,
                           seed=args.seed)
@@ -99,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
              "tokens_per_block": args.tokens_per_block, "rate": args.rate,
              "burstiness": args.burstiness, "concurrency": args.concurrency,
              "routers": counts, "restart_at": args.restart_at,
+             "cache_pressure": args.cache_pressure,
              "replica_args": replica_args, "router_args": router_args}
     text = (f"Workload {desc}; {args.replicas} sim replicas x {args.kv_pages} KV pages of "
             f"{args.tokens_per_block} tokens; arrivals: rate {args.rate}/s, burstiness "

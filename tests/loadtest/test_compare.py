@@ -55,3 +55,14 @@ def test_several_routers_and_a_replica_restarted_empty(tmp_path):
             run["summary"]["prompt_tokens"]
     md = (tmp_path / "compare.md").read_text()
     assert "| prefix x2 |" in md and "A replica restarted empty during the run" in md
+
+
+def test_cache_pressure_sizes_the_pools_from_the_working_set():
+    from loadtest.compare import working_set_blocks
+    from loadtest.workloads import shared_prefix
+
+    reqs = shared_prefix(groups=4, prompts_per_group=3, system_len=320, question_len=64,
+                         output_len=1, seed=0)
+    # each prompt: BOS + 320 + 64 tokens = 385 -> 12 full blocks of 32, the first 10 shared
+    # by its group (BOS + 320 = 321 tokens: 10 full blocks), 2 of its own
+    assert working_set_blocks(reqs, 32) == 4 * 10 + 12 * 2
