@@ -1,8 +1,10 @@
 """Back pressure, cancellation, limits, auth and drain of a live replica process."""
 
 import asyncio
+import re
 import signal
 import time
+from collections import Counter
 
 import httpx
 
@@ -25,6 +27,23 @@ def wait_for(predicate, timeout=5.0):
     return False
 
 
+def finish_reasons(url) -> Counter:
+    """The replica's finished sequences by reason, from its /metrics."""
+    text = httpx.get(url + "/metrics").text
+    return Counter({m[1]: float(m[2]) for m in re.finditer(
+        r'^replica_request_success_total\{.*finished_reason="(\w+)".*\} (\S+)$', text, re.M)})
+
+
+async def until_scheduled(c: httpx.AsyncClient, running: int, waiting: int, tries=1000):
+    """Wait (a bounded poll) until the replica runs and queues exactly these many."""
+    for _ in range(tries):
+        s = (await c.get("/stats")).json()["scheduler"]
+        if (s["running"], s["waiting"]) == (running, waiting):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the replica never ran {running} and queued {waiting}: {s}")
+
+
 def test_disconnect_mid_stream_frees_pages_at_once():
     with Proc("replicas", *SLOW) as rep:
         body = {"prompt": "y" * 100, "max_tokens": 500, "stream": True}
@@ -34,20 +53,23 @@ def test_disconnect_mid_stream_frees_pages_at_once():
             assert any(line.startswith("data: ") for line in got)
             s = stats(rep.url)
             assert s["scheduler"]["running"] == 1 and s["kv_cache"]["used_pages"] > 0
-        # 500 tokens at 20 ms a step would take 10 s; the pages go back within a step or two.
-        assert wait_for(lambda: stats(rep.url)["kv_cache"]["used_pages"] == 0, timeout=1.0)
-        assert stats(rep.url)["scheduler"]["running"] == 0
+        # 500 tokens at 20 ms a step would end after 10 s, "length"; the disconnect ends the
+        # sequence as "abort", and its pages go back with it.
+        assert wait_for(lambda: finish_reasons(rep.url), timeout=30.0)
+        assert finish_reasons(rep.url) == Counter(abort=1)
+        s = stats(rep.url)
+        assert (s["kv_cache"]["used_pages"], s["scheduler"]["running"]) == (0, 0)
 
 
 def test_full_queue_answers_429_with_retry_after():
     with Proc("replicas", *SLOW, "--max-num-seqs", "1", "--max-waiting", "1") as rep:
         async def run():
             async with httpx.AsyncClient(base_url=rep.url, timeout=30) as c:
-                body = {"prompt": "z", "max_tokens": 30}
+                body = {"prompt": "z", "max_tokens": 50}  # 1 s each
                 first = asyncio.create_task(c.post("/v1/completions", json=body))
-                await asyncio.sleep(0.2)
+                await until_scheduled(c, running=1, waiting=0)
                 second = asyncio.create_task(c.post("/v1/completions", json=body))
-                await asyncio.sleep(0.2)
+                await until_scheduled(c, running=1, waiting=1)
                 third = await c.post("/v1/completions", json=body)
                 return third, await first, await second
         third, first, second = asyncio.run(run())
