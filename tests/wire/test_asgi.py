@@ -157,35 +157,71 @@ STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                b"transfer-encoding: chunked\r\n\r\n")
 
 
+class _Handle:
+    def __init__(self, callback, delay=None):
+        self.callback, self.delay, self.cancelled = callback, delay, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class ManualLoop:
+    """The transport's event loop, run by hand: ``step()`` runs what ``call_soon`` queued
+    (the end of a loop step), ``fire()`` the ``call_later`` timers (their delay has passed),
+    so the hold is checked without sleeping against a clock."""
+
+    def __init__(self):
+        self.soon, self.timers = [], []
+
+    def call_soon(self, callback):
+        self.soon.append(_Handle(callback))
+        return self.soon[-1]
+
+    def call_later(self, delay, callback):
+        self.timers.append(_Handle(callback, delay))
+        return self.timers[-1]
+
+    def pending_timers(self) -> list[float]:
+        return [h.delay for h in self.timers if not h.cancelled]
+
+    def step(self):
+        self._run("soon")
+
+    def fire(self):
+        self._run("timers")
+
+    def _run(self, which):
+        handles = getattr(self, which)
+        setattr(self, which, [])
+        for h in handles:
+            if not h.cancelled:
+                h.callback()
+
+
 def test_a_stream_head_waits_for_its_first_event():
-    async def go():
-        raw = Recorder()
-        t = CoalescingTransport(raw, asyncio.get_running_loop())
-        t.write(STREAM_HEAD)
-        await asyncio.sleep(0.005)
-        held = list(raw.writes)  # a loop step (and more) later: still held
-        t.write(b"5\r\nhello\r\n")
-        await asyncio.sleep(0)
-        together = list(raw.writes)
-        t.write(b"3\r\nbye\r\n")  # later events: at the end of their own step
-        await asyncio.sleep(0)
-        return held, together, raw.writes
-    held, together, final = asyncio.run(go())
-    assert held == []
-    assert together == [STREAM_HEAD + b"5\r\nhello\r\n"]
-    assert final == [STREAM_HEAD + b"5\r\nhello\r\n", b"3\r\nbye\r\n"]
+    loop, raw = ManualLoop(), Recorder()
+    t = CoalescingTransport(raw, loop)
+    t.write(STREAM_HEAD)
+    loop.step()
+    assert raw.writes == []  # a loop step later: still held, for HEAD_HOLD_S
+    assert loop.pending_timers() == [coalesce.HEAD_HOLD_S]
+    t.write(b"5\r\nhello\r\n")
+    assert loop.pending_timers() == []  # the first event ends the hold
+    loop.step()
+    assert raw.writes == [STREAM_HEAD + b"5\r\nhello\r\n"]
+    t.write(b"3\r\nbye\r\n")  # later events: at the end of their own step
+    loop.step()
+    assert raw.writes == [STREAM_HEAD + b"5\r\nhello\r\n", b"3\r\nbye\r\n"]
 
 
 def test_a_stream_head_without_an_event_leaves_after_the_hold():
-    async def go():
-        raw = Recorder()
-        t = CoalescingTransport(raw, asyncio.get_running_loop())
-        t.write(STREAM_HEAD)
-        await asyncio.sleep(coalesce.HEAD_HOLD_S / 2)
-        before = list(raw.writes)
-        await asyncio.sleep(coalesce.HEAD_HOLD_S)
-        return before, raw.writes
-    assert asyncio.run(go()) == ([], [STREAM_HEAD])
+    loop, raw = ManualLoop(), Recorder()
+    t = CoalescingTransport(raw, loop)
+    t.write(STREAM_HEAD)
+    loop.step()
+    assert raw.writes == [] and loop.pending_timers() == [coalesce.HEAD_HOLD_S]
+    loop.fire()  # HEAD_HOLD_S later
+    assert raw.writes == [STREAM_HEAD]
 
 
 def test_only_a_lone_stream_head_is_held():
@@ -207,12 +243,13 @@ def test_only_a_lone_stream_head_is_held():
 
 
 def test_close_sends_a_held_head_and_abort_drops_it():
-    async def go():
-        closed, aborted = Recorder(), Recorder()
-        for raw in (closed, aborted):
-            t = CoalescingTransport(raw, asyncio.get_running_loop())
-            t.write(STREAM_HEAD)
-            t.close() if raw is closed else t.abort()
-        await asyncio.sleep(coalesce.HEAD_HOLD_S * 2)  # no timer fires afterwards
-        return closed.writes, aborted.writes
-    assert asyncio.run(go()) == ([STREAM_HEAD], [])
+    closed, aborted = Recorder(), Recorder()
+    for raw in (closed, aborted):
+        loop = ManualLoop()
+        t = CoalescingTransport(raw, loop)
+        t.write(STREAM_HEAD)
+        t.close() if raw is closed else t.abort()
+        assert loop.pending_timers() == []  # the hold's timer is cancelled
+        loop.step()
+        loop.fire()  # nothing more is written
+    assert (closed.writes, aborted.writes) == ([STREAM_HEAD], [])
