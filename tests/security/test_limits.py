@@ -26,6 +26,15 @@ def small():
         yield router, replicas
 
 
+def until(state, what: str, tries: int = 500):
+    """Poll ``state()`` until it is true (bounded); returns it."""
+    for _ in range(tries):
+        if got := state():
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"never {what}")
+
+
 def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -72,7 +81,7 @@ def test_prompt_over_the_token_limit_is_400(small):
 
 
 def test_a_burst_over_the_queue_gets_429_with_retry_after(small):
-    router, _ = small
+    router, (replica,) = small
 
     async def burst(n: int) -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -93,7 +102,10 @@ def test_a_burst_over_the_queue_gets_429_with_retry_after(small):
         else:
             assert r.json()["usage"]["completion_tokens"] == 30
             assert "x-should-retry" not in r.headers
-    time.sleep(0.5)  # the queue empties: the next request is served
+    def idle():
+        sched = httpx.get(replica.url + "/stats").json()["scheduler"]
+        return sched["running"] == sched["waiting"] == 0
+    until(idle, "emptied the queue")  # then the next request is served
     assert httpx.post(router.url + "/v1/completions",
                       json={"prompt": "after", "max_tokens": 1}, timeout=30).status_code == 200
 
@@ -112,7 +124,12 @@ def test_drain_finishes_the_stream_and_moves_new_requests():
                 lines = stream.iter_lines()
                 first = next(line for line in lines if line.startswith("data: "))
                 by_url[draining].signal(signal.SIGTERM)
-                time.sleep(0.3)
+
+                def health(url):
+                    return {r["url"]: r["health"] for r in
+                            client.get(router.url + "/stats").json()["replicas"]}[url]
+                # the router's health check has seen the drain: new requests go elsewhere
+                until(lambda: health(draining) != "healthy", "saw the replica drain")
                 moved = [client.post(router.url + "/v1/completions", json={
                     "prompt": f"new {i}", "max_tokens": 2}) for i in range(4)]
                 rest = [line for line in lines if line.startswith("data: ")]
