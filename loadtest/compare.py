@@ -3,7 +3,8 @@
 For each policy a fresh cluster (``--replicas`` sim replicas and our router) is started,
 the identical request sequence (same workload, same arrival times) is replayed through it,
 and the cluster is stopped. An external router (``--external sglang``: the SGLang model
-gateway, cache-aware; or ``--external-cmd 'NAME=COMMAND'`` with ``{port}``,
+gateway, cache-aware; ``--external vllm-router``: vLLM's router, cache-aware; or
+``--external-cmd 'NAME=COMMAND'`` with ``{port}``,
 ``{workers}`` (space-separated) and ``{workers_comma}`` placeholders) becomes one more
 column, in front of its own fresh replicas. Per-replica prefill work is read from each
 replica's ``/stats`` (prompt tokens looked up minus tokens reused), so it is measured the
@@ -104,16 +105,17 @@ def run_external(name: str, command: str | None, requests: list[Request],
                  config: DriverConfig, replicas: int, replica_args: list[str],
                  log_dir: Path, routers: int = 1, restart_at: float | None = None,
                  window_s: float = 5.0) -> dict:
-    """Our replicas behind an external router (``sglang`` or a command template);
+    """Our replicas behind an external router (``sglang``, ``vllm-router``, or a command
+    template);
     ``routers`` gateway processes side by side, as ``run_policy``."""
     workers = [ServerProcess("replicas", *replica_args, log_dir=log_dir) for _ in range(replicas)]
     try:
         urls = [w.url for w in workers]
         if command is None:
-            from .peers import SGLangRouter
+            from .peers import PEER_ROUTERS
             with contextlib.ExitStack() as stack:
-                gws = [stack.enter_context(SGLangRouter(urls, policy="cache_aware",
-                                                        log_dir=log_dir))
+                gws = [stack.enter_context(PEER_ROUTERS[name](urls, policy="cache_aware",
+                                                              log_dir=log_dir))
                        for _ in range(routers)]
                 restarted = _restart_later(workers, 0, restart_at, replica_args, log_dir)
                 result = run(requests, replace(config, url=gws[0].url, model=gws[0].model,

@@ -43,8 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --restart-at: the windows the hit rate is measured over (5)")
     c.add_argument("--replica-args", default="", help="more replica flags, one string")
     c.add_argument("--router-args", default="", help="more router flags, one string")
-    c.add_argument("--external", action="append", default=[], choices=["sglang"],
-                   help="add the SGLang model gateway (cache_aware) as a column")
+    c.add_argument("--external", action="append", default=[],
+                   choices=["sglang", "vllm-router"],
+                   help="add a peer router as a column: the SGLang model gateway or vLLM's "
+                        "router, cache_aware (installed in .peers/ on first use)")
     c.add_argument("--external-cmd", action="append", default=[], metavar="NAME=COMMAND",
                    help="add any router: COMMAND with {port}, {workers}, {workers_comma}")
     d = p.add_argument_group("load")

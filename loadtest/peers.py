@@ -11,6 +11,11 @@ SGLang model gateway (``sglang-router``, a Rust server inside a Python wheel)::
         httpx.post(gw.url + "/v1/completions",
                    json={"model": gw.model, "prompt": "Hi", "max_tokens": 4})
 
+vLLM's router (``vllm-router``, a Rust fork of SGLang's gateway): ``VLLMRouter``, the same
+interface (``vllm-router --worker-urls ... --policy cache_aware``: no ``launch``
+subcommand, the same ``/readiness``; ``--version`` is not an option: the installed version
+is read from the package metadata).
+
 Facts about sglang-router 0.3.2 that shape this helper (see also shared/PEERS.md):
 
 - The wheel's console scripts ``sglang-router``, ``smg`` and ``amg`` are one Python entry point
@@ -49,6 +54,7 @@ from .processes import ROOT, free_port
 
 PEERS_DIR = ROOT / ".peers"
 SGLANG_ROUTER_VERSION = "0.3.2"
+VLLM_ROUTER_VERSION = "0.1.17"
 SGLANG_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -87,10 +93,26 @@ def ensure_sglang_router(version: str = SGLANG_ROUTER_VERSION, *,
     concurrent callers (a file lock). Raises :class:`PeerInstallError` with pip's output
     when the install fails, e.g. without network access.
     """
-    venv = Path(venv_dir) if venv_dir is not None else PEERS_DIR / "sglang"
-    exe = venv / "bin" / "sglang-router"
+    return ensure_peer("sglang-router", version, "sglang-router",
+                       Path(venv_dir) if venv_dir is not None else PEERS_DIR / "sglang",
+                       timeout)
+
+
+def ensure_vllm_router(version: str = VLLM_ROUTER_VERSION, *, venv_dir: Path | None = None,
+                       timeout: float = 900.0) -> Path:
+    """``ensure_sglang_router`` for ``vllm-router`` (its ``vllm-router`` executable)."""
+    return ensure_peer("vllm-router", version, "vllm-router",
+                       Path(venv_dir) if venv_dir is not None else PEERS_DIR / "vllm-router",
+                       timeout)
+
+
+def ensure_peer(package: str, version: str, executable: str, venv: Path,
+                timeout: float = 900.0) -> Path:
+    """Install ``package==version`` into the virtualenv ``venv`` (once, under a file lock)
+    and return the path of its console script ``executable``."""
+    exe = venv / "bin" / executable
     marker = venv / ".installed"
-    spec = f"sglang-router=={version}"
+    spec = f"{package}=={version}"
 
     def installed() -> bool:
         try:
@@ -116,9 +138,10 @@ def ensure_sglang_router(version: str = SGLANG_ROUTER_VERSION, *,
         if not exe.is_file():
             raise PeerInstallError(f"{spec} installed but {exe} is missing; the wheel's entry "
                                    f"points are: {sorted(p.name for p in exe.parent.iterdir())}")
-        out = _run([str(exe), "--version"], 60, f"{exe} --version")
-        if version not in out:
-            raise PeerInstallError(f"{exe} --version says {out.strip()!r}, wanted {version}")
+        out = _run([str(python), "-c", "import importlib.metadata as m; "
+                    f"print(m.version({package!r}))"], 60, f"the version of {package}")
+        if out.strip() != version:
+            raise PeerInstallError(f"{package} in {venv} is {out.strip()!r}, wanted {version}")
         marker.write_text(spec + "\n")
     return exe
 
@@ -131,25 +154,34 @@ class SGLangRouter:
     (SIGTERM, then SIGINT, then SIGKILL).
     """
 
+    NAME = "sglang-router"
+    SUBCOMMAND: tuple[str, ...] = ("launch",)
+    LOG_LEVEL = "warn"
+
+    @staticmethod
+    def _install(version: str | None) -> Path:
+        return ensure_sglang_router(version or SGLANG_ROUTER_VERSION)
+
     def __init__(self, worker_urls: Sequence[str], *, policy: str = "cache_aware",
-                 extra_args: Sequence[str] = (), log_level: str = "warn",
+                 extra_args: Sequence[str] = (), log_level: str | None = None,
                  model: str | None = None, check_routing: bool = True,
                  timeout: float = 60.0, log_dir: Path | None = None,
-                 version: str = SGLANG_ROUTER_VERSION, executable: Path | None = None,
+                 version: str | None = None, executable: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
+        log_level = log_level or self.LOG_LEVEL
         if not worker_urls:
             raise ValueError("SGLangRouter needs at least one worker URL")
         if policy not in SGLANG_POLICIES:
             raise ValueError(f"policy {policy!r}: choose one of {', '.join(SGLANG_POLICIES)}")
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
-        self.executable = Path(executable) if executable else ensure_sglang_router(version)
+        self.executable = Path(executable) if executable else self._install(version)
         self.port = free_port()
         self.prometheus_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.prometheus_port}/metrics"
         self.model = model
-        self.cmd = [str(self.executable), "launch",
+        self.cmd = [str(self.executable), *self.SUBCOMMAND,
                     "--worker-urls", *self.worker_urls,
                     "--policy", policy,
                     "--host", "127.0.0.1", "--port", str(self.port),
@@ -157,7 +189,7 @@ class SGLangRouter:
                     "--prometheus-port", str(self.prometheus_port),
                     "--log-level", log_level,
                     *extra_args]
-        self.log_path = (log_dir or ROOT / "artifacts") / f"sglang-router-{self.port}.log"
+        self.log_path = (log_dir or ROOT / "artifacts") / f"{self.NAME}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")
         self._log.write((" ".join(self.cmd) + "\n").encode())
@@ -176,7 +208,7 @@ class SGLangRouter:
 
     def _check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise RuntimeError(f"sglang-router on {self.url} exited with "
+            raise RuntimeError(f"{self.NAME} on {self.url} exited with "
                                f"{self.proc.returncode}:\n{self.log()}")
 
     def _discover_model(self, client: httpx.Client) -> str:
@@ -204,7 +236,7 @@ class SGLangRouter:
                 except (httpx.HTTPError, ValueError) as exc:
                     last = f"/readiness: {exc!r}"
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"sglang-router on {self.url} not ready after "
+                    raise TimeoutError(f"{self.NAME} on {self.url} not ready after "
                                        f"{timeout}s ({last}):\n{self.log()}")
                 time.sleep(0.1)
             if self.model is None:
@@ -220,12 +252,12 @@ class SGLangRouter:
                         return
                     last = f"/v1/completions {r.status_code} {r.text[:500]}"
                     if 400 <= r.status_code < 500 and r.status_code not in (408, 429):
-                        raise RuntimeError(f"sglang-router on {self.url} does not route "
+                        raise RuntimeError(f"{self.NAME} on {self.url} does not route "
                                            f"{json.dumps(body)}: {last}\n{self.log()}")
                 except (httpx.HTTPError, ValueError) as exc:
                     last = f"/v1/completions: {exc!r}"
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"sglang-router on {self.url} does not route a "
+                    raise TimeoutError(f"{self.NAME} on {self.url} does not route a "
                                        f"completion after {timeout}s ({last}):\n{self.log()}")
                 time.sleep(0.2)
 
@@ -263,3 +295,20 @@ class SGLangRouter:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class VLLMRouter(SGLangRouter):
+    """vLLM's router (``vllm-router``, a Rust fork of SGLang's gateway) in front of
+    ``worker_urls``: the same flags without the ``launch`` subcommand, the same
+    ``/readiness``; its policies include ``cache_aware`` (the default here)."""
+
+    NAME = "vllm-router"
+    SUBCOMMAND = ()
+    LOG_LEVEL = "warning"
+
+    @staticmethod
+    def _install(version: str | None) -> Path:
+        return ensure_vllm_router(version or VLLM_ROUTER_VERSION)
+
+
+PEER_ROUTERS = {"sglang": SGLangRouter, "vllm-router": VLLMRouter}
