@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -288,9 +290,11 @@ def test_dashboard_follows_live_traffic(live, browser):
         first_decision = snap["decisions"][0]["request_id"]
         assert snap["decisions"][0]["head"]["reason"]["text"]  # a reason is shown
 
-        # Wave 2 in bursts, so the hit-rate history has points over time.
+        # Wave 2 in bursts, each after the page polled again, so the hit-rate history has
+        # points over time.
         for burst in range(4):
-            time.sleep(0.5)
+            polls = snapshot(page)["polls"]
+            wait_for(page, lambda s: s["polls"] > polls, f"a poll before burst {burst}")
             sent += live.traffic(6, start=24 + 6 * burst)
         stats = live.settled()
         snap = wait_for(page, lambda s: shows(s, stats), "wave 2 on the page")
@@ -341,7 +345,33 @@ def test_dashboard_is_self_contained_and_locked_down(live):
             # text from the router goes in as text: no HTML parsing, no eval
             assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|"
                                  r"\beval\(|new Function", asset.text), path.name
-    assert httpx.get(live.router.url + "/dashboard/static/../app.py").status_code == 404
+
+
+def raw_get(url: str, target: str) -> tuple[int, bytes]:
+    """GET ``target`` sent as given (a client library would normalise ``..`` away):
+    the status and the body."""
+    u = urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                     .encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+@pytest.mark.parametrize("target", [
+    "/dashboard/../../etc/passwd",
+    "/dashboard/static/../../../../etc/passwd",
+    "/dashboard/static/../app.py",
+    "/dashboard/static/%2e%2e/app.py",
+    "/dashboard/static/..%2fapp.py",
+])
+def test_no_path_leaves_the_static_folder(live, target):
+    status, body = raw_get(live.router.url, target)
+    assert status == 404, body[:200]
+    assert b"root:" not in body and b"import" not in body  # neither file's content
 
 
 def test_missing_files_do_not_stop_the_router(tmp_path, monkeypatch):
