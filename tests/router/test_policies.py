@@ -172,14 +172,33 @@ def test_prefix_pending_reuse_is_dropped_when_done_or_forgotten():
 
 
 def test_bounded_fan_out_probes_replicas_with_affinity_first():
+    """Up to k - 1 of the k probes go to the replicas sent the longest shared prefix, longest
+    first; the rest (at least one) are drawn at random from the others."""
     p = make_policy("prefix", seed=2)
     replicas = [f"r{i}" for i in range(10)]
+    base = list(range(512))  # 16 blocks of 32
     p.probe_targets(req("first", n=64), replicas, 3)  # bounded fan-out starts the record
-    p.on_routed(req("old", n=512), "r7")
-    p.on_prefill_done(req("old", n=512), "r7")
-    targets = p.probe_targets(req("new", n=512), replicas, 3)
-    assert targets[0] == "r7" and len(set(targets)) == 3
-    assert p.probe_targets(req("new"), replicas, 20) == replicas
+    for rid, tokens, replica in (("whole", base, "r7"),
+                                 ("half", base[:256] + [9000] * 256, "r3"),
+                                 ("quarter", base[:128] + [9001] * 384, "r5"),
+                                 ("other", [9002] * 512, "r1")):
+        p.on_routed(req(rid, tokens=tokens), replica)
+        p.on_prefill_done(req(rid, tokens=tokens), replica)
+    new = req("new", tokens=base + [7] * 32)
+
+    def draws(k):
+        return [p.probe_targets(new, replicas, k) for _ in range(60)]
+    for k, affinity in ((1, ["r7"]), (2, ["r7"]), (3, ["r7", "r3"]), (4, ["r7", "r3", "r5"]),
+                        (5, ["r7", "r3", "r5"])):  # r1 shares nothing: no affinity slot
+        got = draws(k)
+        assert all(len(t) == len(set(t)) == k and t[:len(affinity)] == affinity for t in got)
+        drawn = {r for t in got for r in t[len(affinity):]}
+        if k > 1:  # the random part: varied, never an affinity replica
+            assert drawn.isdisjoint(affinity) and len(drawn) >= 4, (k, drawn)
+    # a prefix sent nowhere: every probe at random
+    fresh = [p.probe_targets(req("fresh", tokens=[9003] * 512), replicas, 3) for _ in range(60)]
+    assert len({t[0] for t in fresh}) >= 4
+    assert p.probe_targets(new, replicas, 10) == p.probe_targets(new, replicas, 20) == replicas
 
 
 def test_round_robin_cycles_in_name_order():
@@ -241,10 +260,12 @@ def test_eviction_of_what_was_sent_shortens_an_old_prefix_from_its_end():
     d = approx.choose(req("again", n=320), cands(("a", None, 0, 1, 0), ("b", None, 0, 1, 0)))
     assert d.chosen == "a" and "5/10 blocks" in d.reason
     prefix = make_policy("prefix", seed=0, max_keys_per_replica=15)
-    assert prefix.probe_targets(old, ["a", "b", "c"], 2)  # bounded fan-out: tracks keys
+    assert len(prefix.probe_targets(old, ["a", "b", "c"], 2)) == 2  # starts tracking keys
     prefix.on_routed(old, "a")
     prefix.on_routed(new, "a")
-    assert prefix.probe_targets(req("again", n=320), ["a", "b", "c"], 2)[0] == "a"
+    # the old prompt's first 5 keys are still on "a": its affinity slot, every time
+    again = req("again", n=320)
+    assert all(prefix.probe_targets(again, ["a", "b", "c"], 2)[0] == "a" for _ in range(20))
 
 
 def test_keys_chain_over_scope_and_prefix():
@@ -290,6 +311,56 @@ def test_chain_keys_of_wire_bytes_equal_block_keys():
     tokens = list(range(1000))
     wire = ByteTokenizer().encode_le32("x" * 999)
     assert chain_keys(wire, 4 * 32) == block_keys([256] + [120] * 999, 32)
-    assert chain_keys(bytes(range(250)), 5) == chain_keys(bytes(range(250)), 5)
-    assert len(chain_keys(bytes(range(250)), 5)) == 50
     assert block_keys(tokens, 32)[:3] == block_keys(tokens[:96], 32)
+
+
+_MASK = (1 << 64) - 1
+
+
+def reference_chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, ...]:
+    """``chain_keys`` as its docstring defines it, one unit and one word at a time: each
+    unit's words (1, 4 or 8 bytes, little-endian) mixed, times the splitmix64 multiplier of
+    their position (forced odd), summed and mixed into ``h_j``; ``K_j = K_(j-1) * P + h_j``
+    from ``hash(scope)``; each ``K_j`` through the finaliser."""
+    size = 8 if step % 8 == 0 else 4 if step % 4 == 0 else 1
+    multipliers, x = [], 0x243F6A8885A308D3
+    for _ in range(step // size):
+        x = (x + 0x9E3779B97F4A7C15) & _MASK
+        z = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
+        multipliers.append((z ^ (z >> 31)) | 1)
+    key, keys = hash(scope) & _MASK, []
+    for j in range(len(data) // step):
+        unit = data[j * step:(j + 1) * step]
+        words = [int.from_bytes(unit[i:i + size], "little") for i in range(0, step, size)]
+        h = sum((w ^ (w >> 29)) * m for w, m in zip(words, multipliers)) & _MASK
+        h ^= h >> 33
+        h = h * 0xFF51AFD7ED558CCD & _MASK
+        h ^= h >> 29
+        key = (key * 0x9E3779B97F4A7C15 + h) & _MASK
+        k = key ^ (key >> 33)
+        k = k * 0xC4CEB9FE1A85EC53 & _MASK
+        keys.append(k ^ (k >> 33))
+    return tuple(keys)
+
+
+@pytest.mark.parametrize("step", [5, 12, 16, 128])  # 1-, 4- and 8-byte words
+@pytest.mark.parametrize("scope", ["", "tenant-a"])
+def test_chain_keys_follow_their_definition(step, scope):
+    data = bytes(range(256)) * 4 + b"tail"
+    keys = chain_keys(data, step, scope)
+    assert len(keys) == len(data) // step
+    assert keys == reference_chain_keys(data, step, scope)
+
+
+def test_chain_keys_differ_from_the_first_unit_that_differs():
+    data = bytes(range(250))
+    keys = chain_keys(data, 5)  # 50 units of 5 bytes
+    changed = chain_keys(data[:17] + bytes([data[17] ^ 1]) + data[18:], 5)  # in unit 3
+    assert changed[:3] == keys[:3]
+    assert all(a != b for a, b in zip(changed[3:], keys[3:]))
+    # two bytes of unit 3 swapped: each word's position counts, not just its value
+    swapped = chain_keys(data[:15] + data[16:17] + data[15:16] + data[17:], 5)
+    assert swapped[:3] == keys[:3] and swapped[3] != keys[3]
+    assert chain_keys(data[:100], 5) == keys[:20]  # a prefix's keys begin the longer's
+    assert chain_keys(data, 5, "tenant-a")[0] != keys[0]
