@@ -1,10 +1,16 @@
 """The router in front of live sim replicas, through the official openai client."""
 
+import contextlib
 import json
+import socket
+import socketserver
+import threading
 
 import httpx
 import openai
 import pytest
+
+from tests.procs import Proc
 
 from .cluster import cluster
 
@@ -137,10 +143,73 @@ def test_internal_fields_from_clients_are_ignored(live):
     assert r.json()["usage"]["prompt_tokens"] == 4  # BOS + "abc": the router tokenized
 
 
-def test_unknown_fields_pass_through(live):
-    r = httpx.post(live[0].url + "/v1/completions", json={
-        "prompt": "abc", "max_tokens": 1, "ignore_eos": True, "vendor": {"x": [1]}})
-    assert r.status_code == 200
+class RecordingRelay:
+    """A loopback relay in front of a replica (threads of its own) that keeps each request
+    passing through it, head and body, as the replica receives them."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def bodies(self, path: bytes) -> list[dict]:
+        return [json.loads(body) for head, body in list(self.requests)
+                if head.startswith(b"POST " + path + b" ")]
+
+    def _handler(self):
+        relay = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                with socket.create_connection(("127.0.0.1", relay.upstream_port)) as up:
+                    threading.Thread(target=self._answers, args=(up,), daemon=True).start()
+                    while head := self._head():
+                        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                       if line.lower().startswith(b"content-length:")), 0)
+                        body = self.rfile.read(length)
+                        relay.requests.append((head, body))
+                        up.sendall(head + body)
+
+            def _head(self) -> bytes:
+                head = b""
+                while not head.endswith(b"\r\n\r\n"):
+                    line = self.rfile.readline()
+                    if not line:
+                        return b""
+                    head += line
+                return head
+
+            def _answers(self, up: socket.socket) -> None:
+                with contextlib.suppress(OSError):
+                    while data := up.recv(65536):
+                        self.wfile.write(data)
+        return Handler
+
+
+def test_unknown_fields_pass_through():
+    """What the replica receives keeps the client's unknown fields, as sent, next to the
+    fields the router sets (the token ids in place of the prompt)."""
+    with Proc("replicas", "--engine", "sim", "--log-level", "warning") as replica:
+        relay = RecordingRelay(replica.port)
+        try:
+            with Proc("router", "--replicas", relay.url, "--log-level", "warning") as router:
+                vendor = {"x": [1, {"y": None}], "s": "\u00e9"}
+                r = httpx.post(router.url + "/v1/completions", json={
+                    "prompt": "abc", "max_tokens": 1, "ignore_eos": True, "vendor": vendor})
+                assert r.status_code == 200, r.text
+        finally:
+            relay.close()
+    [got] = relay.bodies(b"/v1/completions")
+    assert (got.get("vendor"), got.get("ignore_eos")) == (vendor, True)
+    assert "prompt" not in got and got["prompt_token_ids_b64"]  # the router tokenized
+    assert (got["max_tokens"], got["stream"]) == (1, True)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat%2Fcompletions", "/v1%2Fcompletions"])
