@@ -212,17 +212,20 @@ def summary_row(name: str, doc: dict, rr: dict | None) -> dict:
 
 
 def recovery(restart: dict) -> dict:
-    """Hit rate before the restart (whole windows), in the first window after the replica
-    was back, and how long after it was back the hit rate first reached 95% of before."""
+    """The hit rate in the last whole window before the restart, in the window the restart
+    fell in, in the first window after the replica was back, and how long after it was back
+    the hit rate first reached 95% of before (the end of that window: the resolution is
+    the window)."""
     at, ready, width = restart["at_s"], restart["ready_s"], restart["window_s"]
     windows = [w for w in restart["windows"] if w["hit_rate"] is not None]
     before = [w for w in windows if w["from_s"] + width <= at]
+    during = [w for w in windows if w["from_s"] <= at < w["from_s"] + width]
     after = [w for w in windows if w["from_s"] >= ready]
-    pre = (sum(w["hit_rate"] * w["prompt_tokens"] for w in before) /
-           sum(w["prompt_tokens"] for w in before)) if before else None
+    pre = before[-1]["hit_rate"] if before else None
     back = next((w["from_s"] + width - ready for w in after
                  if pre is not None and w["hit_rate"] >= 0.95 * pre), None)
     return {"window_s": width, "hit_rate_before_restart": pre,
+            "hit_rate_restart_window": during[0]["hit_rate"] if during else None,
             "hit_rate_first_window_after": after[0]["hit_rate"] if after else None,
             "recovered_after_s": back}
 
@@ -246,13 +249,16 @@ def markdown(rows: list[dict], bound: dict, setup: str) -> str:
     if any("hit_rate_before_restart" in r for r in rows):
         width = next(r["window_s"] for r in rows if "window_s" in r)
         lines += ["", f"A replica restarted empty during the run ({width:g} s windows):", "",
-                  "| policy | hit rate before | first window after it was back | back to "
-                  "95% of before after |", "|---|---|---|---|"]
+                  "| policy | hit rate, the window before | the window of the restart | the "
+                  "first window after it was back | back to 95% of before |",
+                  "|---|---|---|---|---|"]
         for r in rows:
             back = r.get("recovered_after_s")
             lines.append(f"| {r['policy']} | {_f(r.get('hit_rate_before_restart'), '.3f')} "
+                         f"| {_f(r.get('hit_rate_restart_window'), '.3f')} "
                          f"| {_f(r.get('hit_rate_first_window_after'), '.3f')} | "
-                         f"{'not within the run' if back is None else f'<= {back:.0f} s'} |")
+                         f"{'not within the run' if back is None else f'within {back:.0f} s'}"
+                         " |")
     return "\n".join(lines) + "\n"
 
 
