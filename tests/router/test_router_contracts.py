@@ -3,7 +3,6 @@ the reuse the replica then reports, the client's credentials never reach a repli
 --max-attempts bounds the retries, and a client that leaves during the probes or while
 queued at a replica costs that replica nothing."""
 
-import asyncio
 import threading
 import time
 
@@ -13,6 +12,7 @@ import pytest
 from tests.procs import Proc
 
 from .cluster import cluster
+from .relay import RecordingRelay
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -56,57 +56,6 @@ def test_the_chosen_replicas_probed_reuse_is_the_answers_cached_tokens():
         assert all(cached > 0 for _, _, cached in seen[1:])  # the shared blocks were reused
 
 
-class RecordingRelay:
-    """A loopback TCP relay in front of a replica (its own thread and loop) that keeps the
-    head of every request the router sent through it."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.heads: list[bytes] = []
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self.thread.start()
-        ready.wait(10)
-
-    def _run(self, ready) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def start():
-            self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-            self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-            ready.set()
-        self.loop.run_until_complete(start())
-        self.loop.run_forever()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    async def _serve(self, client_r, client_w) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-
-        async def answers():
-            while data := await up_r.read(65536):
-                client_w.write(data)
-                await client_w.drain()
-        pump = asyncio.ensure_future(answers())
-        try:
-            while True:
-                head = await client_r.readuntil(b"\r\n\r\n")
-                self.heads.append(head)
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                up_w.write(head + await client_r.readexactly(length))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            pump.cancel()
-            up_w.close()
-            client_w.close()
-
-
 def test_the_clients_authorization_never_reaches_a_replica():
     replica = Proc("replicas", "--engine", "sim", "--log-level", "warning")
     relay = router = None
@@ -121,10 +70,11 @@ def test_the_clients_authorization_never_reaches_a_replica():
                            json={"messages": [{"role": "user", "content": "hi"}],
                                  "max_tokens": 2, "stream": stream})
             assert r.status_code == 200
-        forwarded = [h for h in relay.heads if h.startswith(b"POST /v1/chat/completions ")]
-        probes = [h for h in relay.heads if h.startswith(b"POST /probe_reuse ")]
+        heads = [head for head, _ in relay.requests]
+        forwarded = [h for h in heads if h.startswith(b"POST /v1/chat/completions ")]
+        probes = [h for h in heads if h.startswith(b"POST /probe_reuse ")]
         assert len(forwarded) == 2 and len(probes) == 2  # what the relay saw is the traffic
-        for head in relay.heads:
+        for head in heads:
             assert secret.encode() not in head
             assert b"\r\nauthorization:" not in head.lower()
     finally:
