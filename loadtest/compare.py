@@ -309,6 +309,41 @@ def plots(docs: dict[str, dict], bound: dict, out_dir: Path) -> list[Path]:
     ax.set_title("Per-replica prefill work")
     ax.legend(fontsize=8)
     paths.append(_save(fig, out_dir / "replica_load.png"))
+    restarted = {n: d["restart"] for n, d in docs.items() if "restart" in d}
+    if restarted:  # the hit rate over the run, window by window, and when the restart was
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for n, r in restarted.items():
+            ws = [w for w in r["windows"] if w["hit_rate"] is not None]
+            ax.plot([w["from_s"] + r["window_s"] / 2 for w in ws], [w["hit_rate"] for w in ws],
+                    marker="o", label=n)
+        first = next(iter(restarted.values()))
+        ax.axvline(first["at_s"], color="black", linestyle="--", linewidth=1, label="killed")
+        ax.axvline(first["ready_s"], color="black", linestyle=":", linewidth=1, label="back")
+        ax.set_xlabel("time into the run (s)")
+        ax.set_ylabel(f"token hit rate ({first['window_s']:g} s windows)")
+        ax.set_ylim(0, 1)
+        ax.set_title("A replica restarted empty")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "restart_hit_rate.png"))
+    counted = [n for n in names if " x" in n and n.rsplit(" x", 1)[1].isdigit()]
+    if counted:  # hit rate against the number of independent routers, per policy
+        fig, ax = plt.subplots(figsize=(8, 4))
+        by: dict[str, list[tuple[int, float]]] = {}
+        for n in counted:
+            base, count = n.rsplit(" x", 1)
+            by.setdefault(base, []).append((int(count), docs[n]["summary"]["token_hit_rate"]))
+        for base, points in by.items():
+            points.sort()
+            ax.plot([c for c, _ in points], [h for _, h in points], marker="o", label=base)
+        ax.axhline(bound["pooled"], color="black", linestyle="--", linewidth=1,
+                   label="pooled bound")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("independent routers")
+        ax.set_ylabel("token hit rate")
+        ax.set_ylim(0, 1)
+        ax.set_title("Several routers in front of the same replicas")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "routers_hit_rate.png"))
     return paths
 
 

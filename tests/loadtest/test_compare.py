@@ -55,6 +55,8 @@ def test_several_routers_and_a_replica_restarted_empty(tmp_path):
             run["summary"]["prompt_tokens"]
     md = (tmp_path / "compare.md").read_text()
     assert "| prefix x2 |" in md and "A replica restarted empty during the run" in md
+    for name in ("restart_hit_rate.png", "routers_hit_rate.png"):
+        assert (tmp_path / name).stat().st_size > 0
 
 
 def test_cache_pressure_sizes_the_pools_from_the_working_set():
