@@ -222,3 +222,17 @@ def add_common_args(parser: Any, gc_paused_by_default: bool = True) -> None:
                             help="pause the cyclic GC inside timed loops")
     parser.add_argument("--no-write", action="store_true", help="do not write the JSON result")
     parser.add_argument("--out", default=None, help="JSON result path (default bench/results/NAME.json)")
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of a Prometheus text exposition (parsed by
+    prometheus_client)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples]
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(v for n, got, v in metric_samples(text)
+               if n == name and all(got.get(k) == want for k, want in labels.items()))

@@ -35,7 +35,7 @@ import httpx
 from loadtest.checked import Outcome, checked_request
 from loadtest.processes import ServerProcess
 
-from ._common import print_table, write_result
+from ._common import metric_sum, print_table, write_result
 
 ROUTER = ("--health-interval-s", "0.2", "--health-timeout-s", "0.3", "--open-seconds", "1",
           "--first-byte-timeout-s", "2", "--idle-timeout-s", "2", "--policy", "round_robin",
@@ -63,7 +63,8 @@ class Run:
         """Note the requests open on the victim, then mark the fault."""
         text = (await asyncio.to_thread(httpx.get, self.router.url + "/metrics",
                                         timeout=5)).text
-        self.in_flight_at_fault = _sample(text, "router_replica_in_flight", self.victim.url)
+        self.in_flight_at_fault = metric_sum(text, "router_replica_in_flight",
+                                             replica=self.victim.url)
         self.mark("fault")
 
 
@@ -194,21 +195,13 @@ def summary(sc: Scenario, run: Run, outcomes: list[Outcome], decisions: list[dic
             not (o.stream and o.started and o.replica == victim) for o in failed),
         "errors": sorted({o.error for o in failed})[:10],
         "in_flight_on_victim_at_fault": run.in_flight_at_fault,
-        "victim_probe_failures": _sample(metrics, "router_probe_failures_total", victim),
+        "victim_probe_failures": metric_sum(metrics, "router_probe_failures_total",
+                                            replica=victim),
         "chosen_during_fault": chosen_during,
         "p99_during_fault_s": during[int(0.99 * (len(during) - 1))] if during else None,
         "stopped_choosing_after_s": max(0.0, last_before - marks["fault_wall"]),
         "took_back_after_s": None if first_after is None else first_after - marks["back_wall"],
     }
-
-
-def _sample(text: str, name: str, replica: str) -> float:
-    """The sum of a metric's samples labelled with ``replica``."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and f'replica="{replica}"' in line:
-            total += float(line.rpartition(" ")[2])
-    return total
 
 
 def main(argv: list[str] | None = None) -> None:

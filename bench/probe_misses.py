@@ -33,7 +33,7 @@ from loadtest.driver import DriverConfig, run
 from loadtest.report import build_report
 from loadtest.workloads import shared_prefix
 
-from ._common import print_table, write_result
+from ._common import metric_samples, print_table, write_result
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -48,23 +48,6 @@ def cpu_seconds(pid: int) -> float:
 def self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def prom(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample of a Prometheus text exposition."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, rest = head.partition("{")
-        labels = {}
-        for part in rest.rstrip("}").split('",'):
-            if "=" in part:
-                k, _, v = part.partition("=")
-                labels[k.strip()] = v.strip().strip('"')
-        out.append((name, labels, float(value)))
-    return out
 
 
 def total(samples, name: str, **match: str) -> float:
@@ -112,7 +95,7 @@ def one_run(concurrency: int, requests, args) -> dict:
         wall = time.monotonic() - t0
         after = (cpu_seconds(pids["router"]), sum(map(cpu_seconds, pids["replicas"])),
                  self_cpu())
-        samples = prom(httpx.get(c.router.url + "/metrics", timeout=10).text)
+        samples = metric_samples(httpx.get(c.router.url + "/metrics", timeout=10).text)
         alive = sum(r.proc.poll() is None for r in c.replicas)
     summary = build_report(result)["summary"]
     probes_ok = total(samples, "router_probe_latency_seconds_count")

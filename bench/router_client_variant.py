@@ -13,7 +13,6 @@ starts these processes side by side.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 
@@ -71,13 +70,88 @@ class _HttpxAnswer:
         asyncio.get_running_loop().create_task(self._r.aclose())
 
 
+class _Client:
+    """What ``Upstream`` asks of its client besides ``fetch`` and ``request``."""
+
+    def opened_to(self, base_url: str) -> int:
+        return 0  # not counted (router_upstream_connections_opened shows 0)
+
+
+class _AiohttpClient(_Client):
+    """What ``Upstream`` asks of its client (``fetch``, ``request``) on one aiohttp
+    ``ClientSession``: Upstream's own checks and forwarding then run unchanged."""
+
+    def __init__(self) -> None:
+        self._session = None
+
+    def _s(self):
+        import aiohttp
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+                auto_decompress=False, skip_auto_headers=("User-Agent",))
+        return self._session
+
+    async def fetch(self, method, base_url, path, body=b"", headers=None, repeatable=None):
+        async with self._s().request(method, base_url + path, data=body or None,
+                                     headers=headers) as r:
+            return r.status, await r.read()
+
+    async def request(self, method, base_url, path, body=b"", headers=None, repeatable=None):
+        return _AiohttpAnswer(await self._s().request(method, base_url + path, data=body,
+                                                      headers=headers))
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class _HttpxClient(_Client):
+    """The same on one httpx ``AsyncClient``."""
+
+    def __init__(self) -> None:
+        self._c = None
+
+    def _s(self):
+        import httpx
+        if self._c is None:
+            self._c = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0))
+        return self._c
+
+    async def fetch(self, method, base_url, path, body=b"", headers=None, repeatable=None):
+        r = await self._s().request(method, base_url + path, content=body or None,
+                                    headers=headers)
+        return r.status_code, r.content
+
+    async def request(self, method, base_url, path, body=b"", headers=None, repeatable=None):
+        c = self._s()
+        return _HttpxAnswer(await c.send(c.build_request(method, base_url + path,
+                                                         content=body, headers=headers),
+                                         stream=True))
+
+    async def aclose(self) -> None:
+        if self._c is not None:
+            await self._c.aclose()
+
+
 class _Variant(Upstream):
-    """Probes as tasks under one deadline; the rest through ``_request``."""
+    """``Upstream`` on another client; probes are tasks under the same deadline (late ones
+    cancelled). These clients pool connections as they are used: nothing is warmed."""
+
+    CLIENT: type = _AiohttpClient
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.client.close()
+        self.client = self.CLIENT()
 
     async def probe_all(self, urls, body):
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        tasks = {url: loop.create_task(self._probe(url, body)) for url in urls}
+        tasks = {url: loop.create_task(self.client.fetch("POST", url, "/probe_reuse", body,
+                                                         self._probe_headers))
+                 for url in urls}
         await asyncio.wait(tasks.values(), timeout=self.settings.probe_deadline_ms / 1e3)
         out = {}
         for url, task in tasks.items():
@@ -92,80 +166,18 @@ class _Variant(Upstream):
         return out
 
     async def warm(self, url: str) -> int:
-        return 0  # these clients pool connections as they are used
+        return 0
 
-    async def get_json(self, url: str, timeout: float):
-        async with asyncio.timeout(timeout):
-            status, raw = await self._fetch("GET", url, b"", dict(self._internal))
-        try:
-            return status, json.loads(raw) if raw else None
-        except ValueError:
-            return status, None
+    async def close(self) -> None:
+        await self.client.aclose()
 
 
 class AiohttpUpstream(_Variant):
-    def __init__(self, settings) -> None:
-        super().__init__(settings)
-        self.client.close()
-        self._session = None
-
-    def _s(self):
-        import aiohttp
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
-                auto_decompress=False, skip_auto_headers=("User-Agent",))
-        return self._session
-
-    async def _probe(self, url, body):
-        async with self._s().post(url + "/probe_reuse", data=body,
-                                  headers=self._probe_headers) as r:
-            return r.status, await r.read()
-
-    async def _fetch(self, method, url, body, headers):
-        async with self._s().request(method, url, data=body or None, headers=headers) as r:
-            return r.status, await r.read()
-
-    async def post(self, url, path, body, headers):
-        r = await self._s().post(url + path, data=body, headers=headers)
-        return _AiohttpAnswer(r)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+    CLIENT = _AiohttpClient
 
 
 class HttpxUpstream(_Variant):
-    def __init__(self, settings) -> None:
-        super().__init__(settings)
-        self.client.close()
-        self._c = None
-
-    def _s(self):
-        import httpx
-        if self._c is None:
-            self._c = httpx.AsyncClient(timeout=None, limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0))
-        return self._c
-
-    async def _probe(self, url, body):
-        r = await self._s().post(url + "/probe_reuse", content=body,
-                                 headers=self._probe_headers)
-        return r.status_code, r.content
-
-    async def _fetch(self, method, url, body, headers):
-        r = await self._s().request(method, url, content=body or None, headers=headers)
-        return r.status_code, r.content
-
-    async def post(self, url, path, body, headers):
-        c = self._s()
-        r = await c.send(c.build_request("POST", url + path, content=body, headers=headers),
-                         stream=True)
-        return _HttpxAnswer(r)
-
-    async def close(self) -> None:
-        if self._c is not None:
-            await self._c.aclose()
+    CLIENT = _HttpxClient
 
 
 VARIANTS = {"aiohttp": AiohttpUpstream, "httpx": HttpxUpstream}

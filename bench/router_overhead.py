@@ -49,7 +49,6 @@ import gc
 import http.client
 import json
 import os
-import re
 import time
 from urllib.parse import urlsplit
 
@@ -58,7 +57,7 @@ import numpy as np
 
 from loadtest.processes import ServerProcess
 
-from ._common import percentiles_ms, print_table, write_result
+from ._common import metric_sum, percentiles_ms, print_table, write_result
 
 MODEL = "sim-byte-lm"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -124,14 +123,6 @@ def make_prompts(n: int, chars: int, seed: int) -> list[bytes]:
         text = f"{i:05d} " + "".join(map(chr, rng.integers(97, 123, size=chars - 6)))
         bodies.append(json.dumps({"model": MODEL, "prompt": text, "max_tokens": 1}).encode())
     return bodies
-
-
-def prom_sum(text: str, name: str) -> float:
-    """Sum of every sample of metric ``name`` (all label sets) in Prometheus text."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M):
-        total += float(m.group(1))
-    return total
 
 
 def diff_percentiles(a_ns: list[int], b_ns: list[int]) -> dict[str, float]:
@@ -230,8 +221,8 @@ def paired_router_run(router: ServerProcess, direct: dict[str, Conn], bodies: li
     metrics.request("GET", "/metrics")
     mtext = metrics.getresponse().read().decode()
     metrics.close()
-    ov_sum = prom_sum(mtext, "router_overhead_seconds_sum")
-    ov_n = prom_sum(mtext, "router_overhead_seconds_count")
+    ov_sum = metric_sum(mtext, "router_overhead_seconds_sum")
+    ov_n = metric_sum(mtext, "router_overhead_seconds_count")
     return {
         "requests": requests,
         "router_cpu_ms_per_request": cpu / requests * 1e3,
@@ -247,7 +238,7 @@ def paired_router_run(router: ServerProcess, direct: dict[str, Conn], bodies: li
         "hit_rate": hits / prompt_tokens if prompt_tokens else 0.0,
         "replicas_chosen": len(chosen),
         "max_share": max(chosen.values()) / requests,
-        "probe_failures": prom_sum(mtext, "router_probe_failures_total"),
+        "probe_failures": metric_sum(mtext, "router_probe_failures_total"),
         "router_self_reported_pre_upstream_mean_ms": ov_sum / ov_n * 1e3 if ov_n else None,
     }
 
@@ -352,7 +343,7 @@ def throughput_run(router: ServerProcess, bodies: list[bytes], concurrency: int,
         c.close()
         return text
 
-    fails0 = prom_sum(metrics(), "router_probe_failures_total")
+    fails0 = metric_sum(metrics(), "router_probe_failures_total")
     cpu0 = cpu_seconds(router.proc.pid)
     own0 = time.process_time()
     out = asyncio.run(closed_loop(router.url, bodies, concurrency, seconds))
@@ -363,7 +354,7 @@ def throughput_run(router: ServerProcess, bodies: list[bytes], concurrency: int,
         "router_cpu_ms_per_request": cpu / out["requests"] * 1e3 if out["requests"] else None,
         "router_cpu_utilisation": cpu / out["seconds"],
         "client_cpu_utilisation": own / out["seconds"],
-        "probe_failures": prom_sum(metrics(), "router_probe_failures_total") - fails0,
+        "probe_failures": metric_sum(metrics(), "router_probe_failures_total") - fails0,
     })
     return out
 

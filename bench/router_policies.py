@@ -42,8 +42,8 @@ from kvcache import CacheConfig, FullAttention, KVCacheManager
 from loadtest.processes import ServerProcess
 from replicas.tokenizer import ByteTokenizer
 
-from ._common import percentiles_ms, print_table, write_result
-from .router_overhead import dead, prom_sum, start_replica
+from ._common import metric_sum, percentiles_ms, print_table, write_result
+from .router_overhead import dead, start_replica
 
 POLICIES = ("prefix", "approx_prefix", "round_robin", "random", "least_loaded",
             "power_of_two", "session")
@@ -234,8 +234,8 @@ def run_policy(policy: str, args, reqs, offsets, pages: int) -> dict:
         try:
             import httpx
             metrics = httpx.get(router.url + "/metrics", timeout=5).text
-            out["probe_failures"] = prom_sum(metrics, "router_probe_failures_total")
-            out["retries"] = prom_sum(metrics, "router_retries_total")
+            out["probe_failures"] = metric_sum(metrics, "router_probe_failures_total")
+            out["retries"] = metric_sum(metrics, "router_retries_total")
         except Exception as exc:  # the router is gone: say so, keep the figures
             out["metrics_error"] = repr(exc)
         out["replicas_died"] = dead(reps)

@@ -33,7 +33,7 @@ import signal
 
 import httptools
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from wire.errors import APIError, error_headers, too_large
 
@@ -193,7 +193,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self.transport.close()
             return
         body = json.dumps(err.body()).encode()
-        head = [b"HTTP/1.1 %d %s\r\n" % (err.status, _reason(err.status)),
+        head = [STATUS_LINE[err.status],
                 *(b"%s: %s\r\n" % pair for pair in self.server_state.default_headers),
                 b"content-type: application/json\r\n",
                 b"content-length: %d\r\n" % len(body)]
@@ -216,14 +216,6 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self.flow.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
-
-
-def _reason(status: int) -> bytes:
-    from http import HTTPStatus
-    try:
-        return HTTPStatus(status).phrase.encode("latin-1")
-    except ValueError:
-        return b""
 
 
 def protocol_class(max_body_bytes: int, head_timeout_s: float, body_timeout_s: float,

@@ -14,6 +14,7 @@ from router import http_server
 from router.asgi import ProxyASGI
 from router.http_server import MAX_HEAD_BYTES
 from router.settings import RouterSettings
+from tests.waiting import until_async
 
 LIMIT = 1024  # max_body_bytes in these tests
 
@@ -46,14 +47,6 @@ async def asgi_app(scope, receive, send) -> None:
     await whole(200, body, send)
 
 
-async def _until(predicate, what: str) -> None:
-    for _ in range(2000):  # bounded: 10 s
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never happened: {what}")
-
-
 @contextlib.asynccontextmanager
 async def serving(routes=None, app=asgi_app, **settings):
     """The router's server on a free loopback port; yields (server, port); stops it."""
@@ -67,7 +60,7 @@ async def serving(routes=None, app=asgi_app, **settings):
     server = uvicorn.Server(config)
     server.capture_signals = contextlib.nullcontext
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-    await _until(lambda: server.started or task.done(), "the server started")
+    await until_async(lambda: server.started or task.done(), "the server started")
     try:
         yield server, port
     finally:
@@ -162,7 +155,7 @@ def test_pipelined_requests_are_answered_one_at_a_time_in_order():
         async with serving({("POST", "/s"): slow}) as (_, port):
             reader, writer = await connect(port)
             writer.write(b"".join(request("POST", "/s", b"%d" % i) for i in (1, 2, 3)))
-            await _until(lambda: events, "the first request started")
+            await until_async(lambda: events, "the first request started")
             for _ in range(20):  # the others wait for it, however long it takes
                 await asyncio.sleep(0)
             assert events == ["start 1"]
@@ -296,7 +289,7 @@ def test_garbage_pipelined_behind_a_request_is_refused_after_its_answer():
         async with serving({("POST", "/s"): slow}) as (_, port):
             reader, writer = await connect(port)
             writer.write(request("POST", "/s", b"1"))
-            await _until(lambda: calls, "the first request is being answered")
+            await until_async(lambda: calls, "the first request is being answered")
             writer.write(b"GARBAGE\r\n\r\n" + request("POST", "/s", b"2"))
             for _ in range(20):
                 await asyncio.sleep(0)
@@ -412,7 +405,7 @@ def test_connections_past_the_cap_get_a_503_and_the_close():
             refused = await asyncio.wait_for(reader.read(), 10)
             kept[0][1].close()
             await asyncio.wait_for(kept[0][0].read(), 10)
-            await _until(lambda: connections(server) == 1, "the server saw the close")
+            await until_async(lambda: connections(server) == 1, "the server saw the close")
             again_r, again_w = await connect(port)
             again_w.write(request("POST", "/echo", b"{}"))
             status = (await read_response(again_r))[0]
@@ -457,7 +450,7 @@ def test_a_client_that_leaves_cancels_its_route_and_the_app_hears_it():
                 writer.close()
             await asyncio.wait_for(cancelled.wait(), 5)
             assert await asyncio.wait_for(disconnect, 5) == "http.disconnect"
-            await _until(lambda: not connections(srv), "both connections gone")
+            await until_async(lambda: not connections(srv), "both connections gone")
     run(main())
 
 
@@ -511,7 +504,7 @@ def test_idle_connections_are_closed_after_keepalive_s():
             writer.write(request("POST", "/echo", b"x"))
             await read_response(reader)
             assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
-            await _until(lambda: not connections(server), "the server dropped it")
+            await until_async(lambda: not connections(server), "the server dropped it")
     run(main())
 
 
@@ -532,7 +525,7 @@ def test_a_slow_reader_holds_a_stream_back():
         async with serving({("POST", "/flood"): flood}) as (_, port):
             reader, writer = await connect(port)
             writer.write(request("POST", "/flood"))
-            await _until(lambda: written, "the stream started")
+            await until_async(lambda: written, "the stream started")
             last = -1
             while written != last:  # until the writer is held (the socket buffers full)
                 last = written

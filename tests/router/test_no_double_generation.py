@@ -9,6 +9,7 @@ import threading
 
 import httpx
 
+from bench._common import metric_sum
 from tests.procs import Proc
 
 
@@ -103,9 +104,8 @@ class WorstMomentRelay:
 
 def _generations(replica_url: str) -> float:
     """Requests the replica finished (any reason), from its /metrics."""
-    text = httpx.get(replica_url + "/metrics", timeout=10).text
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith("replica_request_success_total{"))
+    return metric_sum(httpx.get(replica_url + "/metrics", timeout=10).text,
+                      "replica_request_success_total")
 
 
 def test_a_request_the_replica_may_have_read_is_never_sent_again():

@@ -6,7 +6,6 @@ last figures); then live: a full-attention sim replica (one pool) and a hybrid t
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ from router.pools import PoolWatcher
 from router.registry import Health, Registry
 from router.settings import RouterSettings
 from tests.procs import Proc
+from tests.waiting import until
 
 SYSTEM = "You answer questions about the KV cache of a hybrid model, briefly. " * 3
 
@@ -110,15 +110,16 @@ def own_pools(replica: Proc) -> list[dict]:
 def settled(router: Proc, replicas: list[Proc], timeout: float = 30.0) -> list[dict]:
     """Wait until the router shows every replica's current pools (the replicas are idle, so
     theirs stop changing); returns the router's replica views then."""
-    deadline = time.monotonic() + timeout
-    while True:
-        own = [own_pools(r) for r in replicas]
-        shown = httpx.get(router.url + "/stats").json()["replicas"]
-        if [r["kv_pools"] for r in shown] == own:
-            return shown
-        assert time.monotonic() < deadline, (
-            f"the router's pools {[r['kv_pools'] for r in shown]} never became {own}")
-        time.sleep(0.05)
+    last = {}
+
+    def shown_as_own():
+        last["own"] = [own_pools(r) for r in replicas]
+        last["shown"] = httpx.get(router.url + "/stats").json()["replicas"]
+        return [r["kv_pools"] for r in last["shown"]] == last["own"] and last["shown"]
+
+    return until(shown_as_own, lambda: f"the router's pools "
+                 f"{[r['kv_pools'] for r in last['shown']]} became {last['own']}",
+                 tries=int(timeout / 0.05), every=0.05)
 
 
 def test_router_stats_show_each_replicas_pools(live):

@@ -9,6 +9,7 @@ from router.service import RouterService
 from router.settings import RouterSettings
 from router.upstream import ProbeResult, Upstream
 from tests.procs import Proc
+from tests.waiting import until_async
 
 PROBE_ANSWER = b'{"num_tokens": 64, "num_tokens_before_hybrid_pruning": 64, "load": {}}'
 
@@ -58,15 +59,6 @@ class GatedProbes:
             self.closed_by_client += 1
 
 
-async def _until(predicate, what: str) -> None:
-    """Wait (bounded) for a state the event loop is about to reach."""
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never happened: {what}")
-
-
 def test_a_late_probe_gives_its_connection_back_once_answered():
     async def main():
         async with GatedProbes() as server:
@@ -77,7 +69,7 @@ def test_a_late_probe_gives_its_connection_back_once_answered():
                 assert isinstance(out[server.url], TimeoutError)  # the gate was shut
                 assert up.client.idle_connections() == 0  # still waiting for its answer
                 server.gate.set()
-                await _until(lambda: up.client.idle_connections() == 1, "pooled again")
+                await until_async(lambda: up.client.idle_connections() == 1, "pooled again")
                 out = await up.probe_all([server.url], b"{}")
                 assert isinstance(out[server.url], ProbeResult)
                 assert out[server.url].answer.num_tokens == 64
@@ -97,7 +89,7 @@ def test_a_late_probe_never_answered_is_closed_after_its_grace():
             try:
                 out = await up.probe_all([server.url], b"{}")
                 assert isinstance(out[server.url], TimeoutError)
-                await _until(lambda: server.closed_by_client == 1, "the client closed it")
+                await until_async(lambda: server.closed_by_client == 1, "the client closed it")
                 assert (server.connections, server.answered) == (1, 0)
                 assert up.client.idle_connections() == 0
             finally:
@@ -112,7 +104,7 @@ def test_warm_opens_connections_up_to_the_count_and_probes_use_them():
             up = Upstream(RouterSettings(warm_connections=3))
             try:
                 assert await up.warm(server.url) == 3
-                await _until(lambda: server.connections == 3, "three accepted")
+                await until_async(lambda: server.connections == 3, "three accepted")
                 assert up.client.idle_connections() == 3
                 assert await up.warm(server.url) == 0  # topped up already
                 out = await up.probe_all([server.url], b"{}")

@@ -4,12 +4,13 @@ the reuse the replica then reports, the client's credentials never reach a repli
 queued at a replica costs that replica nothing."""
 
 import threading
-import time
 
 import httpx
 import pytest
 
+from bench._common import metric_sum
 from tests.procs import Proc
+from tests.waiting import until
 
 from .cluster import cluster
 from .relay import RecordingRelay
@@ -17,22 +18,7 @@ from .relay import RecordingRelay
 
 def _metric(url: str, name: str, **labels: str) -> float:
     """The sum of a metric's samples (with these label values) in ``url``/metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        metric, _, value = line.rpartition(" ")
-        if (metric == name or metric.startswith(name + "{")) and \
-                all(f'{k}="{v}"' in metric for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def _until(predicate, what: str, tries: int = 1000) -> None:
-    for _ in range(tries):  # bounded: 10 s
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
+    return metric_sum(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
 
 
 def test_the_chosen_replicas_probed_reuse_is_the_answers_cached_tokens():
@@ -133,12 +119,12 @@ def test_a_client_that_leaves_while_queued_at_the_replica_frees_its_place():
             next(line for line in lines if line.startswith("data: {"))  # it runs
             queued = threading.Thread(target=lambda: _gives_up(router.url), daemon=True)
             queued.start()
-            _until(lambda: stats()["load"]["waiting"] == 1, "the second request queued")
+            until(lambda: stats()["load"]["waiting"] == 1, "the second request queued")
             queued.join(30)
-            _until(lambda: stats()["load"]["waiting"] == 0, "the queue emptied")
+            until(lambda: stats()["load"]["waiting"] == 0, "the queue emptied")
             assert stats()["load"]["running"] == 1  # the long stream still runs
-        _until(lambda: stats()["load"]["running"] == 0, "the long stream ended")
-        _until(lambda: stats()["kv_cache"]["used_pages"] == 0, "its pages freed")
+        until(lambda: stats()["load"]["running"] == 0, "the long stream ended")
+        until(lambda: stats()["kv_cache"]["used_pages"] == 0, "its pages freed")
         # neither finished normally: the stream was left too, the queued one never ran
         assert _metric(reps[0].url, "replica_request_success_total",
                        finished_reason="length") == 0
