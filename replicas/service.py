@@ -97,6 +97,7 @@ class ReplicaService:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self.engine.close()
 
     # -- models and probes -------------------------------------------------------------
 

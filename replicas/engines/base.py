@@ -81,5 +81,9 @@ class Engine(abc.ABC):
         """Token ids the model embeds (None: any the tokenizer makes, as the sim engine)."""
         return None
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its pages (threads); the service calls it
+        once when it stops."""
+
     def describe(self) -> dict:
         return {"engine": self.name}

@@ -14,10 +14,15 @@ Keys are stored after RoPE, at their absolute positions. A step has two halves:
 1. On the event loop's thread (``_plan``): read each item's block tables and live state
    page into index tensors, copied to the device at once. This is the only contact with the
    manager, and it only reads.
-2. In a worker thread (``_compute``): run the model once over the new tokens of all items
+2. On the engine's one compute thread (``_compute``): run the model once over the new tokens of all items
    packed together (prefill chunks and decodes alike). Each attention layer writes its new
    K/V into the pages, then reads each sequence's keys back from the blocks its window
    reaches; recurrent layers carry the live state page. Then sample: greedy on the device.
+
+Every model call runs on that one thread (``run_on_compute_thread``), never on a pool's
+next free worker: torch's CPU kernels parallelise through an OpenMP team per calling
+thread, and a second team still spin-waiting for work (the default wait policy) takes the
+cores from the one computing. On 2 cores that cost decode ~30% (``bench.hf_engine``).
 
 The scheduler owns ``resize`` (before a step) and ``commit`` (after): a snapshot taken at
 commit copies the live state this engine wrote, and a reused prefix arrives with its
@@ -27,7 +32,9 @@ snapshot already restored into the live page.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -69,6 +76,7 @@ class TorchEngine(Engine):
         flops = _ASSUMED_FLOPS.get(self.device.type, _ASSUMED_FLOPS["cpu"])
         self._rate = flops / (2 * self.num_parameters)
         self._measured_steps = 0
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
     def from_preset(cls, preset: str = "default", device: str | torch.device | None = None,
@@ -138,9 +146,29 @@ class TorchEngine(Engine):
             return []
         batch = self._plan(items)
         started = time.perf_counter()
-        tokens = await asyncio.to_thread(self._compute_and_sample, batch, items)
+        tokens = await self.run_on_compute_thread(self._compute_and_sample, batch, items)
         self._observe(batch, time.perf_counter() - started)
         return tokens
+
+    async def run_on_compute_thread(self, fn, /, *args):
+        """``fn(*args)`` on the engine's one compute thread (started on first use)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.compute_thread, functools.partial(fn, *args))
+
+    @property
+    def compute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The single-worker executor every step's model call runs on."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="torch-engine")
+        return self._thread
+
+    def close(self) -> None:
+        """Let the compute thread end after the step it may be running (not waited for);
+        a later step starts another."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
 
     def forward_logits(self, items: list[StepItem]) -> list[Tensor]:
         """Compute like ``step`` (pages written too) but return each item's last-position

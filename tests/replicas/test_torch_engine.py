@@ -286,20 +286,34 @@ def test_a_step_mixing_greedy_and_seeded_items_picks_as_each_would_alone():
     assert picks == expected
 
 
-def test_steps_compute_off_the_event_loop_and_measure_the_prefill_rate():
+def test_steps_compute_on_one_thread_off_the_event_loop_and_measure_the_prefill_rate():
+    """Every step on the engine's one compute thread, whichever event loop awaits it (a
+    pool's next free worker would start another OpenMP team); close() ends that thread."""
     engine, mgr = make("tiny")
     threads = []
     compute = engine._compute
-    engine._compute = lambda batch: threads.append(threading.get_ident()) or compute(batch)
+    engine._compute = lambda batch: threads.append(threading.current_thread()) or compute(batch)
     initial = engine.prefill_tokens_per_s
-    for seed in (12, 13, 14):  # the first measured step is a warm-up, not counted
+
+    def step(seed: int) -> None:
         prompt = tokens(seed, 100)
         cache = mgr.create_kv_cache(prompt[:-1])
         assert cache.resize(len(prompt))
         asyncio.run(engine.step([StepItem("s", cache, prompt, 0, GREEDY)]))
         cache.close()
-    assert len(threads) == 3 and threading.get_ident() not in threads
+
+    for seed in (12, 13, 14):  # the first measured step is a warm-up, not counted
+        step(seed)
+    assert len(threads) == 3 and len(set(threads)) == 1
+    assert threads[0] is not threading.current_thread()
+    assert threads[0].name.startswith("torch-engine")
     assert engine.prefill_tokens_per_s != initial
+    engine.close()
+    threads[0].join(timeout=10)
+    assert not threads[0].is_alive()
+    step(15)
+    assert len(threads) == 4 and threads[3] is not threads[0] and threads[3].is_alive()
+    engine.close()
 
 
 def test_bad_items_are_refused():
