@@ -14,10 +14,11 @@ Keys are stored after RoPE, at their absolute positions. A step has two halves:
 1. On the event loop's thread (``_plan``): read each item's block tables and live state
    page into index tensors, copied to the device at once. This is the only contact with the
    manager, and it only reads.
-2. On the engine's one compute thread (``_compute``): run the model once over the new tokens of all items
-   packed together (prefill chunks and decodes alike). Each attention layer writes its new
-   K/V into the pages, then reads each sequence's keys back from the blocks its window
-   reaches; recurrent layers carry the live state page. Then sample: greedy on the device.
+2. On the engine's one compute thread (``_compute``): run the model once over the new
+   tokens of all items packed together (prefill chunks and decodes alike). Each attention
+   layer writes its new K/V into the pages, then reads each sequence's keys back from the
+   blocks its window reaches; recurrent layers carry the live state page. Then sample:
+   greedy on the device.
 
 Every model call runs on that one thread (``run_on_compute_thread``), never on a pool's
 next free worker: torch's CPU kernels parallelise through an OpenMP team per calling
@@ -107,6 +108,9 @@ class TorchEngine(Engine):
         life = {"full": lambda w: FullAttention(), "sliding": lambda w: SlidingWindow(window=w),
                 "recurrent": lambda w: Recurrent()}
         self.tokens_per_block = tokens_per_block
+        # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes)
+        self.page_rows = tuple(None if kind == "recurrent" else len(layers) * 2 * tokens_per_block
+                               for kind, layers in zip(self.kinds, self.pool_layers))
         return CacheConfig(tokens_per_block=tokens_per_block, num_pages=num_pages,
                            life_cycles=tuple(life[k](w) for k, w in zip(self.kinds,
                                                                          self.windows)),
