@@ -146,11 +146,13 @@ class _Variant(Upstream):
         self.client.close()
         self.client = self.CLIENT()
 
-    async def probe_all(self, urls, body):
+    async def probe_all(self, urls, body, traced=None):
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
-        tasks = {url: loop.create_task(self.client.fetch("POST", url, "/probe_reuse", body,
-                                                         self._probe_headers))
+        plain = self._probe_headers  # ``traced``: trace headers per replica (tracing on)
+        tasks = {url: loop.create_task(self.client.fetch(
+                     "POST", url, "/probe_reuse", body,
+                     plain if traced is None else {**plain, **traced[url]}))
                  for url in urls}
         await asyncio.wait(tasks.values(), timeout=self.settings.probe_deadline_ms / 1e3)
         out = {}

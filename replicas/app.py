@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import hmac
 import random
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -70,9 +71,12 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     document(app, "POST", "/probe_reuse", response_model=ProbeAnswer, responses=_ERRORS,
              openapi_extra=body_schema(ProbeRequest))
 
+    tracing = service.tracing  # None: off
+
     async def probe_reuse(scope, body: bytes, receive, send) -> None:
         # The hot path (the router asks every replica for every request): plain ASGI, the
         # body validated straight from bytes by pydantic-core.
+        started = None if tracing is None else time.time_ns()
         if settings.internal_token is not None:
             check_internal(settings.internal_token, _header(scope, b"authorization"))
         try:
@@ -81,7 +85,10 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
             raise invalid(exc.errors()) from None
         if settings.fault_probe_delay_s:
             await asyncio.sleep(settings.fault_probe_delay_s)
-        await send_bytes(send, 200, jsonwire.dumps(service.probe(request)))
+        answer = service.probe(request)
+        if started is not None:
+            tracing.probe(scope, started, answer)
+        await send_bytes(send, 200, jsonwire.dumps(answer))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -138,19 +145,29 @@ def _header(scope, name: bytes) -> str:
 async def _generate(service: ReplicaService, request: Request, body: _GenerationParams,
                     tokens: list[int], kind: str, default_max: int):
     request_id = request.headers.get("x-request-id") or new_request_id()
-    seq = service.new_sequence(tokens, body, default_max, request_id)
+    tracing = service.tracing  # None: off
+    span = None if tracing is None else tracing.completion(request.scope, request_id)
+    try:
+        seq = service.new_sequence(tokens, body, default_max, request_id)
+        service.submit(seq)
+    except APIError as exc:
+        if span is not None:
+            tracing.refused(span, exc)
+        raise
     fmt = Formatter(kind, request_id, service.model_id)
     headers = {"x-request-id": request_id}
-    service.submit(seq)
     pieces = text_pieces(service, seq, body.stop)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _sse(fmt, seq, pieces, include_usage)
         if service.settings.fault_cut_stream_after is not None:
             events = _cut(events, service.settings.fault_cut_stream_after)
+        if span is not None:  # the spans end with the stream
+            events = tracing.streamed(events, span, seq)
         return StreamingResponse(events,
                                  media_type="text/event-stream", headers=headers)
     watcher = asyncio.create_task(_abort_on_disconnect(request, service, seq))
+    error = None
     try:
         text, finish = [], None
         async for piece in pieces:
@@ -158,9 +175,14 @@ async def _generate(service: ReplicaService, request: Request, body: _Generation
             finish = piece.finish_reason
             if piece.error:
                 raise APIError(500, piece.error, type="server_error")
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         watcher.cancel()
         await pieces.aclose()
+        if span is not None:
+            tracing.finished(span, seq, error)
     return JSONResponse(fmt.whole("".join(text), finish, seq), headers=headers)
 
 

@@ -183,7 +183,8 @@ class Scheduler:
             cache.close()
             seq.num_computed = 0
             return False
-        if seq.cached_tokens is None:
+        if seq.cached_tokens is None:  # first admission (not a preempted one's return)
+            seq.scheduled_at = time.monotonic()
             seq.cached_tokens = cache.num_reused_tokens
             seq.cached_tokens_before_hybrid_pruning = cache.num_tokens_before_hybrid_pruning
         seq.cache = cache
@@ -240,5 +241,6 @@ class Scheduler:
         self._abort_reason.pop(seq, None)
         seq.state = SeqState.FINISHED
         seq.finish_reason = reason
+        seq.finished_at = now = time.monotonic()
         seq.events.put_nowait(FinishEvent(reason, error))
-        self.observer.finished(seq, time.monotonic())
+        self.observer.finished(seq, now)

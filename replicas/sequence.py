@@ -52,9 +52,12 @@ class Sequence:
     cached_tokens_before_hybrid_pruning: int = 0
     expected_reuse: int = 0  # probe at arrival, for the load snapshot
     snapshot_at: int = 0  # a prefill chunk ends here (see Scheduler._next_end)
+    # time.monotonic() of each stage (the replica's trace spans are made from them)
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # first admitted to the running batch
     first_token_at: float | None = None
     last_token_at: float | None = None
+    finished_at: float | None = None
     finish_reason: str | None = None
     engine_state: dict = field(default_factory=dict)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -22,6 +22,7 @@ import pybase64
 
 from kvcache import KVCacheManager, ReuseScope
 
+from wire import tracing as otel
 from wire.errors import APIError
 from wire.probe import LoadSnapshot, ProbeAnswer
 from wire.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -49,8 +50,14 @@ def _check_vocabularies(tokenizer: int, model: int | None) -> None:
 
 
 class ReplicaService:
-    def __init__(self, settings: ReplicaSettings, engine: Engine | None = None) -> None:
+    def __init__(self, settings: ReplicaSettings, engine: Engine | None = None,
+                 tracer_provider=None) -> None:
+        """``tracer_provider``: an OpenTelemetry TracerProvider to trace with instead of
+        what the settings and the OTEL_* environment say (tests inject one)."""
         self.settings = settings
+        # None: off (the usual case); asked for without the extra: a start-up error, before
+        # a checkpoint is loaded
+        self.tracing = _tracing(settings, tracer_provider)
         # a checkpoint's tokenizer (or --tokenizer's), else byte-level
         self.tokenizer = load_tokenizer(settings.tokenizer or settings.model)
         self.engine = engine or make_engine(settings)
@@ -98,6 +105,8 @@ class ReplicaService:
             except asyncio.CancelledError:
                 pass
         self.engine.close()
+        if self.tracing is not None:  # the spans still batched go out now
+            await asyncio.to_thread(self.tracing.shutdown)
 
     # -- models and probes -------------------------------------------------------------
 
@@ -251,6 +260,16 @@ class ReplicaService:
             return self.tokenizer.render_chat(chat_messages(messages))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
+
+
+def _tracing(settings: ReplicaSettings, provider):
+    """``ReplicaTracing`` when tracing is on, else None (then nothing imports opentelemetry's
+    SDK, and replicas.tracing is never imported)."""
+    tracing = otel.setup(settings.otel_endpoint, "replica", "replicas", provider)
+    if tracing is None:
+        return None
+    from .tracing import ReplicaTracing
+    return ReplicaTracing(tracing)
 
 
 def _default_model_id(settings: ReplicaSettings, engine: str) -> str:

@@ -64,6 +64,10 @@ class ReplicaSettings(BaseSettings):
     # idle keep-alive connections are closed after this long; longer than uvicorn's 5 s:
     # the router keeps warm connections to its replicas for up to upstream_keepalive_s (60)
     keepalive_s: float = Field(default=75.0, gt=0)
+    # OpenTelemetry: an OTLP/HTTP collector (http://HOST:4318) to send traces to; tracing
+    # is also on when the standard OTEL_* environment asks for it (wire/tracing.py). Needs
+    # the otel extra (pip install prefix-router[otel])
+    otel_endpoint: Optional[str] = None
     log_level: str = "info"
 
 

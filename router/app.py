@@ -94,8 +94,11 @@ def create_app(settings: RouterSettings, service: RouterService | None = None) -
 
     install_dashboard(app)
     _admin_routes(app, svc, settings)
-    return RouterApp(app, {("POST", "/v1/completions"): _proxy(svc, "completion"),
-                           ("POST", "/v1/chat/completions"): _proxy(svc, "chat")}, svc)
+    routes = {("POST", "/v1/completions"): _proxy(svc, "completion"),
+              ("POST", "/v1/chat/completions"): _proxy(svc, "chat")}
+    if svc.tracing is not None:  # each in a root span; off, the handlers run as they are
+        routes = svc.tracing.traced(routes)
+    return RouterApp(app, routes, svc)
 
 
 def _admin_routes(app: FastAPI, svc: RouterService, settings: RouterSettings) -> None:
@@ -152,20 +155,30 @@ def _known(svc: RouterService, url: str):
 # -- the proxy path (answered by router.asgi.ProxyASGI, not the FastAPI app) ------------
 
 def _proxy(svc: RouterService, kind: str) -> Handler:
-    async def handler(raw_headers: list[tuple[bytes, bytes]], body: bytes, send) -> None:
+    async def handler(raw_headers: list[tuple[bytes, bytes]], body: bytes, send,
+                      trace=None) -> None:
         """An APIError raised before the answer started becomes the error response; a
-        client that leaves cancels this (and with it the upstream request)."""
+        client that leaves cancels this (and with it the upstream request). ``trace``:
+        the request's spans (``router.tracing.RequestTrace``) when tracing is on."""
         arrived = time.monotonic()
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers}
         p = svc.builder.prepare(kind, body, headers)
-        decision = await svc.decide(p)
+        if trace is not None:
+            trace.tokenized(p)  # from here on, p.trace
+        # --api-keys: the tenant's limits on the tokenized prompt, before any probe (429)
+        admission = p.tenant.admit(p.route.num_tokens) if p.tenant is not None else None
         try:
-            if p.stream:
-                await _stream(svc, p, decision, arrived, send)
-            else:
-                await _answer(svc, p, decision, arrived, send)
-        except UpstreamError as exc:  # raised only before anything reached the client
-            await _answer_upstream_error(send, exc)
+            decision = await svc.decide(p)
+            try:
+                if p.stream:
+                    await _stream(svc, p, decision, arrived, send)
+                else:
+                    await _answer(svc, p, decision, arrived, send)
+            except UpstreamError as exc:  # raised only before anything reached the client
+                await _answer_upstream_error(send, exc)
+        finally:  # answered, failed, or cancelled (the client left): the slot is free
+            if admission is not None:
+                admission.release()
     return handler
 
 

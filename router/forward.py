@@ -67,6 +67,8 @@ class AttemptAccounting:
     ``answering``); ``forward`` calls ``end`` exactly once per attempt.
     """
 
+    trace = None  # the attempt's "forward" span when tracing is on (router.tracing.AttemptTrace)
+
     def __init__(self, svc: RouterService, p: Prepared, decision: Decision,
                  replica: Replica) -> None:
         self.svc, self.p, self.replica = svc, p, replica
@@ -95,6 +97,8 @@ class AttemptAccounting:
         self.svc.policy.on_prefill_done(self.p.route, self.replica.url)
         self.replica.stats.ttft_s.append(at - self.started)
         self.svc.metrics.first_token(self.replica.url, at - self.started)
+        if self.trace is not None:
+            self.trace.first_token(at)
 
     def answering(self) -> None:
         """The client gets this attempt's answer (no other replica will be tried): count
@@ -118,6 +122,8 @@ class AttemptAccounting:
             self._count(self.usage)
         if self.outcome is not None:
             svc.metrics.outcome(replica.url, self.outcome)
+        if self.trace is not None:
+            self.trace.ended(self)
 
     def _count(self, usage: dict) -> None:
         stats = self.replica.stats
@@ -129,6 +135,8 @@ class AttemptAccounting:
             stats.probed_tokens += self.probed.reuse
             stats.probed_tokens_before_pruning += self.probed.reuse_before_pruning or 0
         self.svc.metrics.finished(self.replica.url, usage.get("prompt_tokens", 0), cached)
+        if self.p.tenant is not None:  # --api-keys: the tenant's hit rate
+            self.p.tenant.answered(usage.get("prompt_tokens", 0), cached)
 
 
 Deliver = Callable[[AttemptAccounting, UpstreamAnswer], Awaitable[T]]
@@ -159,6 +167,9 @@ async def forward(svc: RouterService, p: Prepared, decision: Decision, arrived: 
                 continue
             svc.metrics.retries.inc()
         accounting = AttemptAccounting(svc, p, decision, replica)
+        if p.trace is not None:  # attempt numbers count from 1; a retry says why
+            accounting.trace = p.trace.attempt(len(errors) + 1, url, p.path,
+                                               None if last is None else str(last))
         answer = None
         try:
             answer = await _open(svc, p, accounting)
@@ -201,11 +212,15 @@ async def _open(svc: RouterService, p: Prepared,
     if s.backend == "openai" and s.backend_api_key:
         headers["authorization"] = f"Bearer {s.backend_api_key}"
     streamed = p.stream or s.backend == "ours"
+    if accounting.trace is not None:  # the replica continues the trace
+        accounting.trace.inject(headers)
     response = answer = None
     try:
         async with asyncio.timeout(s.first_byte_timeout_s):
             response = await svc.upstream.post(url, p.path, p.body, headers)
             accounting.queued()
+            if accounting.trace is not None:
+                accounting.trace.responded(response.status)
             if response.status != 200:
                 raise await _refusal(response, url, s.idle_timeout_s)
             answer = UpstreamAnswer(response, s.idle_timeout_s)

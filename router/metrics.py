@@ -48,6 +48,7 @@ class RouterMetrics:
         self.retries = Counter("router_retries", "Attempts on a further replica.",
                                registry=r)
         r.register(_ReplicaState(service))
+        r.register(_TenantState(service))
 
     def probe(self, replica: str, result) -> None:
         if isinstance(result, ProbeResult):
@@ -191,3 +192,39 @@ class _ReplicaState:
         yield circuit
         yield in_flight
         yield opened
+
+
+class _TenantState:
+    """Per tenant (``--api-keys``), read at scrape time from ``router.tenants``: admitted
+    requests, refusals by reason (``tenant=""``, ``reason="unauthenticated"``: the 401s),
+    the answers' prompt and cached tokens (hit rate: cached / prompt), requests in flight."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def collect(self):
+        tenants = self.service.tenants
+        if tenants is None:
+            return
+        requests = CounterMetricFamily("router_tenant_requests", "Requests admitted, per "
+                                       "tenant.", labels=["tenant"])
+        rejected = CounterMetricFamily("router_tenant_rejected", "Requests refused, per "
+                                       "tenant and reason (the error code).",
+                                       labels=["tenant", "reason"])
+        prompt = CounterMetricFamily("router_tenant_prompt_tokens", "Prompt tokens of the "
+                                     "answered requests (from usage), per tenant.",
+                                     labels=["tenant"])
+        cached = CounterMetricFamily("router_tenant_cached_tokens", "Cached prompt tokens of "
+                                     "the answered requests (from usage), per tenant.",
+                                     labels=["tenant"])
+        in_flight = GaugeMetricFamily("router_tenant_in_flight", "Requests admitted and not "
+                                      "yet answered in full, per tenant.", labels=["tenant"])
+        rejected.add_metric(["", "unauthenticated"], tenants.unauthenticated)
+        for name, t in tenants.by_name.items():
+            requests.add_metric([name], t.requests)
+            for reason, n in t.refused.items():
+                rejected.add_metric([name, reason], n)
+            prompt.add_metric([name], t.prompt_tokens)
+            cached.add_metric([name], t.cached_tokens)
+            in_flight.add_metric([name], t.in_flight)
+        yield from (requests, rejected, prompt, cached, in_flight)

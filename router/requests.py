@@ -15,6 +15,7 @@ import random
 import sys
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pybase64
 from pydantic import ValidationError
@@ -27,6 +28,10 @@ from wire.schemas import ChatCompletionRequest, CompletionRequest, chat_messages
 
 from .policies import RouteRequest, text_keys
 from .settings import RouterSettings
+from .tenants import Tenant, Tenants
+
+if TYPE_CHECKING:
+    from .tracing import RequestTrace  # imports opentelemetry: only when tracing is on
 
 INTERNAL_FIELDS = ("prompt_token_ids", "prompt_token_ids_b64")
 TEXT_CHUNK_CHARS = 64  # approx_prefix unit for back ends the router cannot tokenize for
@@ -44,6 +49,8 @@ class Prepared:
     route: RouteRequest
     body: bytes  # what goes upstream
     probe_body: bytes = b""  # the /probe_reuse body (our back end)
+    tenant: Tenant | None = None  # with --api-keys: whose request this is
+    trace: RequestTrace | None = None  # when tracing is on: its spans (router.tracing)
 
 
 def json_object(raw: bytes) -> dict:
@@ -71,7 +78,8 @@ def parse_body(raw: bytes, kind: str):
 
 
 def tenant_salt(secret: str | None, api_key: str | None, client_salt: str | None) -> str | None:
-    """The salt sent to replicas. With a tenant secret: HMAC(secret, API key), narrowed by
+    """The salt sent to replicas without ``--api-keys`` (with it: ``Tenant.salt``, from the
+    tenant's name). With a tenant secret: HMAC(secret, API key), narrowed by
     the client's own ``cache_salt``, so a client can split its own sharing but never reach
     another tenant's blocks. Without one (a single tenant), the client's salt as given."""
     if secret is None:
@@ -81,9 +89,11 @@ def tenant_salt(secret: str | None, api_key: str | None, client_salt: str | None
 
 
 class RequestBuilder:
-    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, settings: RouterSettings, tokenizer: Tokenizer | None,
+                 tenants: Tenants | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer  # None until known (loaded from a replica)
+        self.tenants = tenants  # --api-keys: every request authenticates first
         self._session_header = settings.session_header.lower()
         # request ids: 128 random bits like uuid4().hex, without its getrandom() system
         # call per request (seeded from os.urandom; never from --seed, so ids never repeat
@@ -93,11 +103,14 @@ class RequestBuilder:
     def prepare(self, kind: str, raw: bytes, headers: dict[str, str]) -> Prepared:
         """``headers``: the client's, names in lower case."""
         request_id = headers.get("x-request-id") or "%032x" % self._ids.getrandbits(128)
-        if self.settings.backend == "openai":
-            return self._pass_through(kind, raw, headers, request_id)
-        data, req = parse_body(raw, kind)
         api_key = _bearer(headers.get("authorization"))
-        salt = tenant_salt(self.settings.tenant_secret, api_key, req.cache_salt)
+        # with --api-keys: 401 before anything else is looked at; the salt is the tenant's
+        tenant = self.tenants.authenticate(api_key) if self.tenants is not None else None
+        if self.settings.backend == "openai":
+            return self._pass_through(kind, raw, headers, request_id, tenant)
+        data, req = parse_body(raw, kind)
+        salt = (tenant.salt(req.cache_salt) if tenant is not None else
+                tenant_salt(self.settings.tenant_secret, api_key, req.cache_salt))
         session = headers.get(self._session_header) or req.user
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         ids = self._token_bytes(req, kind)  # little-endian uint32 token ids
@@ -115,9 +128,10 @@ class RequestBuilder:
         # join: each ``+`` would copy it again)
         probe = b"".join((b'{"token_ids_b64":"', b64, b'","cache_salt":', salt_json, b"}"))
         return Prepared(kind, _path(kind), request_id, req.model, req.stream, include_usage,
-                        salt, route, self._forward_body(data, kind, b64, salt), probe)
+                        salt, route, self._forward_body(data, kind, b64, salt), probe, tenant)
 
-    def _pass_through(self, kind: str, raw: bytes, headers, request_id: str) -> Prepared:
+    def _pass_through(self, kind: str, raw: bytes, headers, request_id: str,
+                      tenant: Tenant | None) -> Prepared:
         """Other back ends get the client's body unchanged; the router only reads enough of
         it to route (model, stream, a text rendering for approx_prefix)."""
         data = json_object(raw)
@@ -133,7 +147,7 @@ class RequestBuilder:
         include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
         model = data.get("model") if isinstance(data.get("model"), str) else None
         return Prepared(kind, _path(kind), request_id, model, stream, include_usage, None,
-                        route, raw)
+                        route, raw, tenant=tenant)
 
     def _token_bytes(self, req, kind: str) -> bytes:
         """The prompt's token ids as little-endian uint32 bytes (the wire form)."""

@@ -18,14 +18,17 @@ from dataclasses import dataclass
 from replicas.text import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_wire
 
 from wire import jsonwire
+from wire import tracing as otel
 from wire.errors import APIError
 
+from .api_keys import load_api_keys
 from .forward import RetryBudget
 from .policies import Candidate, Decision, make_policy
 from .pools import PoolWatcher
 from .registry import Health, Registry, Replica
 from .requests import Prepared, RequestBuilder
 from .settings import RouterSettings
+from .tenants import Tenants
 from .upstream import ProbeResult, Upstream
 
 log = logging.getLogger("router")
@@ -53,15 +56,21 @@ def _why(exc: Exception) -> str:
 
 
 class RouterService:
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tracer_provider=None) -> None:
+        """``tracer_provider``: an OpenTelemetry TracerProvider to trace with instead of
+        what the settings and the OTEL_* environment say (tests inject one)."""
         self.settings = settings
+        self.tracing = _tracing(settings, tracer_provider)  # None: off (the usual case)
         # --tokenizer's, else the first replica's (GET /tokenizer); --backend openai: none
         # needed (bodies go through unchanged)
         self.tokenizer: Tokenizer | None = (
             load_tokenizer(settings.tokenizer) if settings.tokenizer is not None
             else ByteTokenizer() if settings.backend == "openai" else None)
         self._tokenizer_lock = asyncio.Lock()
-        self.builder = RequestBuilder(settings, self.tokenizer)
+        # --api-keys: tenants and their limits (a bad file: ValueError, a start-up error)
+        self.tenants = (Tenants(load_api_keys(settings.api_keys), settings.tenant_secret)
+                        if settings.api_keys else None)
+        self.builder = RequestBuilder(settings, self.tokenizer, self.tenants)
         self.policy = make_policy(settings.policy, seed=settings.seed)
         if self.policy.needs_probe and settings.backend == "openai":
             raise ValueError(f"policy {settings.policy!r} probes replicas, which --backend "
@@ -106,6 +115,8 @@ class RouterService:
         if self.pools is not None:
             self.pools.stop()
         await self.upstream.close()
+        if self.tracing is not None:  # the spans still batched go out now
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def add_replica(self, url: str) -> Replica:
         """Admin: add a replica; it must pass the same checks as at start-up."""
@@ -270,11 +281,16 @@ class RouterService:
             if len(targets) < len(urls):  # bounded fan-out: choose among the probed
                 chosen = set(targets)
                 eligible = [r for r in eligible if r.url in chosen]
-            probes = await self.upstream.probe_all(targets, p.probe_body)
+            traced = None if p.trace is None else p.trace.probing(targets)
+            probes = await self.upstream.probe_all(targets, p.probe_body, traced)
+            if p.trace is not None:
+                p.trace.probed(probes)
         probe_ms = (time.perf_counter() - t0) * 1e3
         now = time.monotonic()
         candidates = [self._candidate(r, probes.get(r.url), now) for r in eligible]
         decision = self.policy.choose(p.route, candidates)
+        if p.trace is not None:
+            p.trace.chose(self.policy.name, decision, t0 + probe_ms / 1e3)
         self._record(p, decision, probe_ms)
         return decision
 
@@ -299,10 +315,23 @@ class RouterService:
         self.decisions.append(Routed(time.time(), p.request_id, p.model, p.route.num_tokens,
                                      decision, probe_ms))
         if decision_log.isEnabledFor(logging.INFO):
-            decision_log.info(jsonwire.dumps({
+            entry = {
                 "event": "route", "request_id": p.request_id, "model": p.model,
                 "prompt_tokens": p.route.num_tokens, "chosen": decision.chosen,
                 "reason": decision.reason, "probe_ms": round(probe_ms, 2),
                 "candidates": [{"replica": c.name, "reuse": c.reuse, "score": c.score,
                                 "in_flight": c.in_flight, "note": c.note}
-                               for c in decision.candidates]}).decode())
+                               for c in decision.candidates]}
+            if p.trace is not None and p.trace.trace_id is not None:
+                entry["trace_id"] = p.trace.trace_id  # the request's trace, when traced
+            decision_log.info(jsonwire.dumps(entry).decode())
+
+
+def _tracing(settings: RouterSettings, provider):
+    """``RouterTracing`` when tracing is on, else None (then nothing imports opentelemetry's
+    SDK, and router.tracing is never imported)."""
+    tracing = otel.setup(settings.otel_endpoint, "router", "router", provider)
+    if tracing is None:
+        return None
+    from .tracing import RouterTracing
+    return RouterTracing(tracing)

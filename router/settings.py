@@ -77,9 +77,16 @@ class RouterSettings(BaseSettings):
     admin_token: Optional[str] = None  # admin endpoints are off unless set
     internal_token: Optional[str] = None  # bearer token our replicas require for /probe_reuse
     tenant_secret: Optional[str] = None  # HMAC key: tenant salts from API keys (no default)
+    # API keys, their tenants and the tenants' limits (YAML: router/api_keys.py,
+    # config/api-keys.example.yaml). Unset: no authentication, no limits
+    api_keys: Optional[str] = None
     backend_api_key: Optional[str] = None  # sent upstream to `--backend openai` servers
     session_header: str = "x-session-id"
     decisions_kept: int = Field(default=100, ge=1)  # latest routing decisions in /stats
+    # OpenTelemetry: an OTLP/HTTP collector (http://HOST:4318) to send traces to; tracing
+    # is also on when the standard OTEL_* environment asks for it (wire/tracing.py). Needs
+    # the otel extra (pip install prefix-router[otel])
+    otel_endpoint: Optional[str] = None
     log_level: str = "info"
 
     @field_validator("replicas", mode="before")

@@ -1,5 +1,5 @@
-"""``/stats``: per-replica reuse, latency, health, load and KV pools, and the latest
-decisions.
+"""``/stats``: per-replica reuse, latency, health, load and KV pools, the latest
+decisions, and (``--api-keys``) the tenants.
 
 The pydantic models at the end are the declared response schema (OpenAPI)."""
 
@@ -77,7 +77,26 @@ def stats_view(svc) -> dict:
                    "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0},
         "replicas": replicas,
         "decisions": [decision_view(d) for d in reversed(svc.decisions)],
+        "tenants": tenants_view(svc.tenants) if svc.tenants is not None else None,
     }
+
+
+def tenants_view(tenants) -> dict:
+    """Every tenant, most requests first (then by name)."""
+    rows = []
+    for t in sorted(tenants.by_name.values(), key=lambda t: (-t.requests, t.name)):
+        window_requests, window_tokens = t.window_usage()
+        rows.append({
+            "name": t.name, "requests": t.requests, "rejected": sum(t.refused.values()),
+            "rejected_by": dict(t.refused), "prompt_tokens": t.prompt_tokens,
+            "cached_tokens": t.cached_tokens,
+            "hit_rate": t.cached_tokens / t.prompt_tokens if t.prompt_tokens else 0.0,
+            "in_flight": t.in_flight, "limits": t.limits.model_dump(),
+            "requests_last_minute": window_requests,
+            "prompt_tokens_last_minute": window_tokens,
+        })
+    default = tenants.default.name if tenants.default is not None else "reject"
+    return {"default": default, "unauthenticated": tenants.unauthenticated, "tenants": rows}
 
 
 # -- the response schema -----------------------------------------------------------------
@@ -139,6 +158,32 @@ class Totals(BaseModel):
     hit_rate: float
 
 
+class TenantLimitsView(BaseModel):
+    requests_per_minute: Optional[int]  # None: no such limit
+    prompt_tokens_per_minute: Optional[int]
+    concurrent_requests: Optional[int]
+
+
+class TenantView(BaseModel):
+    name: str
+    requests: int  # admitted
+    rejected: int  # refused by a limit (429, or 400 for a prompt over the token limit)
+    rejected_by: dict[str, int]  # by reason: the error code of the refusal
+    prompt_tokens: int  # of the answered requests, from usage (as the hit rate's)
+    cached_tokens: int
+    hit_rate: float
+    in_flight: int
+    limits: TenantLimitsView
+    requests_last_minute: Optional[int]  # what the windows hold now; None: no such limit
+    prompt_tokens_last_minute: Optional[int]
+
+
+class TenantsView(BaseModel):
+    default: str  # "reject", or the tenant unknown and missing keys get
+    unauthenticated: int  # requests refused 401
+    tenants: list[TenantView]  # most requests first
+
+
 class RouterStats(BaseModel):
     """The router's ``/stats``."""
 
@@ -147,6 +192,7 @@ class RouterStats(BaseModel):
     totals: Totals
     replicas: list[ReplicaView]
     decisions: list[DecisionView]
+    tenants: Optional[TenantsView] = None  # with --api-keys only
 
 
 class ReplicaList(BaseModel):

@@ -54,9 +54,12 @@ class Upstream:
 
     # -- probes ------------------------------------------------------------------------
 
-    async def probe_all(self, urls: list[str], body: bytes) -> dict[str, ProbeResult | Exception]:
+    async def probe_all(self, urls: list[str], body: bytes,
+                        traced: dict[str, dict[str, str]] | None = None
+                        ) -> dict[str, ProbeResult | Exception]:
         """Probe ``urls`` concurrently; whatever has not answered by the deadline is
-        abandoned (its connection closed) and reported as a TimeoutError."""
+        abandoned (its connection closed) and reported as a TimeoutError. ``traced``:
+        headers more per replica (``traceparent``), when the request is traced."""
         client, heads = self.client, self._probe_heads
         length = b"Content-Length: %d\r\n\r\n" % len(body)
         loop = asyncio.get_running_loop()
@@ -81,7 +84,8 @@ class Upstream:
                         head = heads[url] = client.head("POST", url, "/probe_reuse",
                                                         self._probe_headers)
                     # the body (21 KB for 4k tokens) is not copied into one buffer per probe
-                    response = client.start("POST", url, (head + length, body))
+                    fields = length if traced is None else _fields(traced[url]) + length
+                    response = client.start("POST", url, (head + fields, body))
                 except (ValueError, OSError) as exc:
                     out[url] = exc
                     continue
@@ -90,7 +94,8 @@ class Upstream:
                     response.on_done = one_done
                     sent.append((url, response))
                 else:
-                    task = loop.create_task(self._fetch_probe(url, body))
+                    task = loop.create_task(self._fetch_probe(
+                        url, body, None if traced is None else traced[url]))
                     task.add_done_callback(one_done)
                     opening.append((url, task))
             if remaining:
@@ -133,12 +138,14 @@ class Upstream:
         n = self.settings.warm_connections
         return await self.client.warm(url, n) if n else 0
 
-    async def _fetch_probe(self, url: str, body: bytes) -> tuple[int, bytes]:
+    async def _fetch_probe(self, url: str, body: bytes,
+                           more: dict[str, str] | None = None) -> tuple[int, bytes]:
         """A probe on a new connection, given up after the deadline and the late grace."""
         s = self.settings
+        headers = self._probe_headers if more is None else {**self._probe_headers, **more}
         async with asyncio.timeout(s.probe_deadline_ms / 1e3 + s.probe_late_grace_s):
             return await self.client.fetch("POST", url, "/probe_reuse", body,
-                                           self._probe_headers, repeatable=True)  # read-only
+                                           headers, repeatable=True)  # read-only
 
     def _late_done(self, task: asyncio.Task) -> None:
         self._late.discard(task)
@@ -185,6 +192,11 @@ def _probe_result(status: int, raw: bytes, seconds: float) -> ProbeResult | Prob
         return ProbeResult(ProbeAnswer.from_wire(data), seconds)
     except (ValueError, KeyError, TypeError) as exc:
         return ProbeFailed(f"unreadable probe answer: {type(exc).__name__}: {exc}")
+
+
+def _fields(headers: dict[str, str]) -> bytes:
+    """Header lines for a request head (our own trace headers: no line breaks)."""
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
 
 
 def _split(url: str) -> tuple[str, str]:

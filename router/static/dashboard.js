@@ -6,6 +6,7 @@ import { makeCard, pagesOf, renderCard } from "./cards.js";
 import { drawSparkline, drawTimeChart, stackedBar } from "./charts.js";
 import { colorOf, swatch } from "./colors.js";
 import { renderDecisions } from "./decisions.js";
+import { renderTenants, tenantColumns } from "./tenants.js";
 import { el, setValue, svg } from "./dom.js";
 import { clamp, fmtInt, fmtPct, shortUrl } from "./format.js";
 
@@ -64,6 +65,7 @@ const totalBars = {
 };
 $("total-tokens-bar").append(totalBars.tokens);
 $("total-pages-bar").append(totalBars.pages);
+$("tenants-head").append(...tenantColumns());
 
 function renderTotals(stats, recent) {
   const t = stats.totals, reps = stats.replicas;
@@ -186,6 +188,7 @@ function render(stats) {
   renderShare(stats);
   renderReplicas(stats, t);
   renderHitChart(stats, t);
+  renderTenants($("tenants-panel"), $("tenants-body"), $("tenants-summary"), stats.tenants);
   renderDecisions($("decisions"), stats.decisions || []);
 }
 

@@ -20,7 +20,9 @@ import httpx
 import pytest
 from playwright.sync_api import sync_playwright
 
-from .conftest import HYBRID_MODEL
+from tests.procs import Proc
+
+from .conftest import FAMILIES, HYBRID_MODEL
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -387,3 +389,103 @@ def test_missing_files_do_not_stop_the_router(tmp_path, monkeypatch):
     r = client.get("/dashboard")
     assert r.status_code == 503 and "router/static" in r.text
     assert client.get("/dashboard/static/dashboard.js").status_code == 404
+
+
+# -- tenants (--api-keys) ------------------------------------------------------------------
+
+SHOWN_TENANTS = 10  # TENANTS_SHOWN in router/static/tenants.js
+
+TENANTS_JS = """() => {
+  const fields = (root) => {
+    const out = {};
+    for (const n of root.querySelectorAll('[data-field]')) {
+      out[n.dataset.field] = {value: n.dataset.value ?? null, text: n.textContent};
+    }
+    return out;
+  };
+  const panel = document.getElementById('tenants-panel');
+  return {
+    polls: Number(document.body.dataset.polls),
+    shown: !panel.hidden,
+    summary: fields(document.getElementById('tenants-summary')),
+    rows: [...panel.querySelectorAll('tbody tr[data-tenant]')].map((r) => ({
+      tenant: r.dataset.tenant, title: r.querySelector('[data-field=rejected]')
+        .parentElement.getAttribute('title'), fields: fields(r)})),
+  };
+}"""
+
+
+def test_without_api_keys_the_tenants_panel_is_hidden(live, browser):
+    page, errors, _ = browser
+    page.goto(live.router.url + "/dashboard?interval=250")
+    wait_for(page, lambda s: s["polls"] >= 2, "the first polls")
+    snap = page.evaluate(TENANTS_JS)
+    assert live.stats()["tenants"] is None
+    assert snap["shown"] is False and snap["rows"] == []
+    assert errors == []
+
+
+def test_the_top_tenants_render_with_api_keys(live, browser, tmp_path):
+    """Eleven tenants, ten with traffic: the table shows those ten, most requests first,
+    with /stats' figures exactly; the one without requests is left out."""
+    page, errors, _ = browser
+    names = [f"t{i:02d}" for i in range(11)]
+    path = tmp_path / "api-keys.yaml"
+    path.write_text("tenants:\n" + "".join(
+        f"  {n}: {{keys: [key-{n}]" + (", limits: {requests_per_minute: 2}" if n == "t02"
+                                       else "") + "}\n" for n in names) + "default: reject\n")
+    router = Proc("router", "--replicas", live.replicas[0].url, "--tokens-per-block", "16",
+                  "--api-keys", str(path), "--log-level", "warning")
+    try:
+        def send(key: str, prompt: str) -> int:
+            return httpx.post(router.url + "/v1/completions", timeout=30,
+                              headers={"authorization": f"Bearer {key}"},
+                              json={"prompt": prompt, "max_tokens": 2}).status_code
+
+        assert [send("key-t01", FAMILIES[0]) for _ in range(3)] == [200, 200, 200]
+        assert [send("key-t02", FAMILIES[1] + str(i)) for i in range(3)] == [200, 200, 429]
+        for n in names[3:]:
+            assert send(f"key-{n}", FAMILIES[2] + n) == 200
+        assert send("not-a-key", "hello") == 401
+        stats = httpx.get(router.url + "/stats", timeout=10).json()["tenants"]
+        top = stats["tenants"][:SHOWN_TENANTS]
+        assert [t["name"] for t in top] == ["t01", "t02", *names[3:]]
+        assert top[0]["cached_tokens"] > 0 and top[1]["rejected"] == 1
+
+        own = page.context.new_page()  # this router's page (the context admits only live's)
+        own.route("**/*", lambda route: route.continue_()
+                  if route.request.url.startswith(router.url + "/") else route.abort())
+        own.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+        own.goto(router.url + "/dashboard?interval=250")
+        for _ in range(150):  # a bounded wait for the page's first polls
+            snap = own.evaluate(TENANTS_JS)
+            if snap["polls"] >= 2 and snap["shown"]:
+                break
+            time.sleep(0.1)
+        assert snap["shown"], snap
+        assert snap["summary"]["default"]["text"] == "reject"
+        assert as_int(snap["summary"]["unauthenticated"]) == stats["unauthenticated"] == 1
+        assert as_int(snap["summary"]["tenants"]) == 11
+        assert [r["tenant"] for r in snap["rows"]] == [t["name"] for t in top]
+        for row, t in zip(snap["rows"], top):
+            f = row["fields"]
+            assert f["name"]["text"] == t["name"]
+            for name in ("requests", "rejected", "prompt_tokens", "cached_tokens",
+                         "in_flight"):
+                assert as_int(f[name]) == t[name], (t["name"], name)
+            as_rate(f["hit_rate"], t["hit_rate"])
+            for used, limit in (("in_flight", "concurrent_requests"),
+                                ("requests_last_minute", "requests_per_minute"),
+                                ("prompt_tokens_last_minute", "prompt_tokens_per_minute")):
+                if t["limits"][limit] is None:
+                    assert (f[limit]["value"], f[limit]["text"]) == ("", "no limit")
+                else:
+                    assert as_int(f[limit]) == t["limits"][limit]
+                    assert as_int(f[used]) == t[used]
+        t02 = snap["rows"][1]
+        assert t02["title"] == "rate_limit_requests: 1"
+        assert as_int(t02["fields"]["requests_per_minute"]) == 2
+        assert errors == []
+        own.close()
+    finally:
+        router.stop()

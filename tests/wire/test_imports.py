@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 MODULES = ["wire", "wire.asgi", "wire.chat", "wire.errors", "wire.jsonwire", "wire.openapi",
-           "wire.probe", "wire.schemas", "wire.settings"]
+           "wire.probe", "wire.schemas", "wire.settings", "wire.tracing"]
 
 
 def test_wire_imports_neither_replicas_nor_router():
