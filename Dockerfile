@@ -28,7 +28,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN groupadd --gid 10001 app && useradd --create-home --uid 10001 --gid 10001 app
 WORKDIR /app
 # The project's runtime dependencies except torch (pyproject.toml's list less torch; the
-# replica stage adds torch). tests/deploy/test_dockerfile.py keeps the two lists in step.
+# replica stage adds torch), then its otel extra. tests/deploy/test_dockerfile.py keeps the
+# lists in step.
 RUN pip install \
         "fastapi>=0.110" \
         "uvicorn[standard]>=0.27" \
@@ -45,12 +46,19 @@ RUN pip install \
         "safetensors>=0.4" \
         "tokenizers>=0.19" \
         "jinja2>=3.1.6"
+# The otel extra, so that both images can trace when OTEL_* or --otel-endpoint says so
+# (tracing stays off, and these unimported, otherwise).
+RUN pip install \
+        "opentelemetry-api>=1.30" \
+        "opentelemetry-sdk>=1.30" \
+        "opentelemetry-exporter-otlp-proto-http>=1.30"
 
 # --------------------------------------------------------------------------- wheel
 # The project itself, built once for both images (no dependencies: those are above).
 FROM base AS wheel
 COPY pyproject.toml README.md ./
 COPY kvcache/ kvcache/
+COPY wire/ wire/
 COPY replicas/ replicas/
 COPY router/ router/
 COPY loadtest/ loadtest/

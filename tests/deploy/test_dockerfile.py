@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 
 from .common import DOCKERIGNORE, ROOT, cli_flags, dockerfile_stages, flags_of
 
@@ -83,11 +84,26 @@ def test_router_image_installs_no_torch():
     assert any("--index-url" in args for args in pip_install_args(stages["replica"]))
 
 
-def test_base_dependencies_are_pyprojects_less_torch():
+def test_base_dependencies_are_pyprojects_less_torch_plus_the_otel_extra():
     deps = pyproject_dependencies()
     assert any(d.startswith("torch") for d in deps)
+    otel = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["otel"]
+    assert otel and all(d.startswith("opentelemetry-") for d in otel)
     assert sorted(pip_installs(dockerfile_stages()["base"])) == sorted(
-        d for d in deps if not re.match(r"torch\b", d))
+        [d for d in deps if not re.match(r"torch\b", d)] + otel)
+
+
+def test_the_wheel_stage_copies_every_package_the_project_ships():
+    """A package left out of the build context would build a wheel without it, and the
+    images would fail to import (wire/ once was)."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    packages = sorted({pattern.removesuffix("*") for pattern in find})
+    assert packages and all((ROOT / name).is_dir() for name in packages)
+    copied = {rest.split()[0] for word, rest in dockerfile_stages()["wheel"] if word == "COPY"}
+    # (test_dockerignore_lets_through_what_is_copied: the context has what is copied)
+    assert {f"{name}/" for name in packages} <= copied, sorted(packages)
 
 
 def test_router_never_imports_torch():
