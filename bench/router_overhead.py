@@ -31,13 +31,19 @@ throughput run of step 3 are made once per HTTP client the router uses towards i
 router CPU per request of each and what the router's own client saves against the best
 maintained one.
 
+With ``--tracing`` each router configuration of step 1 is made a second time with tracing on
+(``--otel-endpoint`` to a sink in this process that answers every OTLP/HTTP export 200): the
+spans of every routed request made and batched for export by the router's own thread;
+the replicas do not trace. Its CPU and added latency, against the same K untraced, are what
+tracing costs the router when it is on.
+
 Steps 1 and 2 run ``--rounds`` times (3), one configuration after the other in each round,
 and each row reports the round with the median added p50 (and the median CPU per request
 over the rounds); every round's figures are in the JSON. This machine's speed drifts by
 tens of percent within minutes, so one pass can favour whichever configuration ran at a
 quiet moment.
 
-    .venv/bin/python -m bench.router_overhead [--quick] [--no-sglang] [--clients ...]
+    .venv/bin/python -m bench.router_overhead [--quick] [--no-sglang] [--clients ...] [--tracing]
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ import asyncio
 import contextlib
 import gc
 import http.client
+import http.server
 import json
 import os
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -61,6 +69,34 @@ from ._common import metric_sum, percentiles_ms, print_table, write_result
 
 MODEL = "sim-byte-lm"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class TraceSink:
+    """An OTLP/HTTP collector that keeps nothing: every export answered 200, counted."""
+
+    def __init__(self) -> None:
+        sink = self
+        self.exports = self.bytes = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                sink.exports, sink.bytes = sink.exports + 1, sink.bytes + len(body)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def start_replica(*args: str) -> ServerProcess:
@@ -361,6 +397,36 @@ def throughput_run(router: ServerProcess, bodies: list[bytes], concurrency: int,
 
 # --------------------------------------------------------------------------- main
 
+def tracing_ab(rounds: dict[str, list[dict]], clients: list[str], ks: list[int], name,
+               sink: TraceSink) -> dict:
+    """What tracing costs the router when on: per client and k, router CPU per request and
+    added p50 (medians over the rounds) traced against untraced."""
+    cost, lines = {}, []
+
+    def med(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    for client in clients:
+        for k in ks:
+            off, on = rounds.get(name(client, k)), rounds.get(name(client, k, True))
+            if not off or not on:
+                continue
+            row = {}
+            for key, get in (("cpu_ms_per_request", lambda r: r["router_cpu_ms_per_request"]),
+                             ("added_p50_ms", lambda r: r["added"]["p50_ms"])):
+                row[key] = {"off": med([get(r) for r in off]), "on": med([get(r) for r in on])}
+            cost[name(client, k)] = row
+            cpu, added = row["cpu_ms_per_request"], row["added_p50_ms"]
+            lines.append(f"tracing {name(client, k)}: router CPU/request {cpu['on']:.3f} ms "
+                         f"on, {cpu['off']:.3f} ms off ({cpu['on'] / cpu['off'] - 1:+.1%}); "
+                         f"added p50 {added['on']:.2f} / {added['off']:.2f} ms")
+    cost["exports"] = {"requests": sink.exports, "bytes": sink.bytes}
+    lines.append(f"tracing: the sink took {sink.exports} OTLP exports, {sink.bytes:,} bytes")
+    if sink.exports == 0:
+        raise RuntimeError("the traced routers exported nothing: tracing was not on")
+    return {"cost": cost, "lines": lines}
+
+
 def client_ab(rounds: dict[str, list[dict]], tputs: dict[str, dict], clients: list[str],
               ks: list[int], name) -> dict:
     """The router's own client (http1) against the best maintained one: router CPU per
@@ -417,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--throughput-concurrency", type=int, default=16)
     p.add_argument("--throughput-seconds", type=float, default=15.0)
     p.add_argument("--no-sglang", action="store_true", help="skip the SGLang gateway")
+    p.add_argument("--tracing", action="store_true",
+                   help="also measure each configuration with the router tracing (OTLP/HTTP "
+                        "to a sink in this process; needs the otel extra)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small, fast smoke run")
     p.add_argument("--no-write", action="store_true")
@@ -427,7 +496,9 @@ def main(argv: list[str] | None = None) -> None:
         args.throughput_seconds = 2.0
     ks = [int(k) for k in args.ks.split(",")]
     clients = [c for c in args.clients.split(",") if c]
-    configs = [(c, k) for c in clients for k in ks]
+    configs = [(c, k, traced) for c in clients for k in ks
+               for traced in ((False, True) if args.tracing else (False,))]
+    sink = TraceSink() if args.tracing else None
     bodies = make_prompts(args.prompts, args.prompt_chars, args.seed)
     pages = args.prompts * (-(-(args.prompt_chars + 2) // 32)) * 2 + 256
 
@@ -441,12 +512,15 @@ def main(argv: list[str] | None = None) -> None:
     tputs: dict[str, dict] = {}
     deaths: list[str] = []
 
-    def name(client: str, k: int) -> str:
-        return f"k={k}" if clients == ["http1"] else f"{client} k={k}"
+    def name(client: str, k: int, traced: bool = False) -> str:
+        label = f"k={k}" if clients == ["http1"] else f"{client} k={k}"
+        return label + " traced" if traced else label
 
-    def start_router(client: str, k: int) -> ServerProcess:
+    def start_router(client: str, k: int, traced: bool = False) -> ServerProcess:
         a = ["--replicas", ",".join(urls), "--policy", "prefix", "--probe-k", str(k),
              "--tokens-per-block", "32", "--log-level", "warning", "--seed", str(args.seed)]
+        if traced:
+            a += ["--otel-endpoint", sink.url]
         if args.probe_deadline_ms is not None:
             a += ["--probe-deadline-ms", str(args.probe_deadline_ms)]
         if client == "http1":
@@ -463,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"e.g. a probe cancelled at its deadline)")
 
     with contextlib.ExitStack() as stack:
+        if sink is not None:
+            stack.callback(sink.close)
         reps = [stack.enter_context(start_replica(
             "--engine", "sim", "--kv-pages", str(pages), "--tokens-per-block", "32",
             "--sim-speedup", "10000", "--max-num-seqs", "64", "--log-level", "warning"))
@@ -477,13 +553,13 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             for rnd in range(1, args.rounds + 1):
-                for client, k in configs:
-                    with start_router(client, k) as router:
+                for client, k, traced in configs:
+                    with start_router(client, k, traced) as router:
                         r = paired_router_run(router, direct, bodies, args.requests,
                                               args.warmup, pids)
-                    rounds.setdefault(name(client, k), []).append(r)
-                    check_alive(f"the sequential run at {name(client, k)}")
-                    print(f"round {rnd}/{args.rounds} {name(client, k)}: added p50 "
+                    rounds.setdefault(name(client, k, traced), []).append(r)
+                    check_alive(f"the sequential run at {name(client, k, traced)}")
+                    print(f"round {rnd}/{args.rounds} {name(client, k, traced)}: added p50 "
                           f"{r['added']['p50_ms']:.2f} ms, router CPU "
                           f"{r['router_cpu_ms_per_request']:.2f} ms/request", flush=True)
                 if args.no_sglang:
@@ -562,6 +638,9 @@ def main(argv: list[str] | None = None) -> None:
     ab = client_ab(rounds, tputs, clients, ks, name)
     for line in ab.get("lines", []):
         print(line)
+    tracing = tracing_ab(rounds, clients, ks, name, sink) if sink is not None else None
+    for line in (tracing or {}).get("lines", []):
+        print(line)
     if gateway is not None:
         dd = gateway["distribution_difference"]
         print(f"sglang: difference of distributions (via - direct round robin): "
@@ -593,6 +672,7 @@ def main(argv: list[str] | None = None) -> None:
             "router": results,
             "router_rounds": rounds,
             "client_ab": ab.get("saving"),
+            "tracing_ab": (tracing or {}).get("cost"),
             "sglang_gateway": gateway,
             "sglang_gateway_rounds": gateway_rounds,
             "sglang_note": gateway_note or None,
