@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -13,6 +15,10 @@ tok = ByteTokenizer()
 any_tokens = st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=64)
 messages = st.lists(st.builds(ChatMessage, role=st.sampled_from(ROLES), content=st.text()),
                     max_size=6)
+
+# Each run draws examples of its own (a fixed seed would replay the same ones forever),
+# except in CI (CI set), where the same examples every run keep a failure reproducible.
+IN_CI = bool(os.environ.get("CI"))
 
 
 @given(st.text(), st.booleans())
@@ -38,7 +44,7 @@ def test_incremental_decoder_never_raises(ids):
     assert isinstance(_stream(ids), str)
 
 
-@settings(derandomize=True, database=None)
+@settings(derandomize=IN_CI, database=None)
 @example(ids=[0xC2, 0xC2, 0x80])
 @given(any_tokens)
 def test_incremental_decoder_matches_bytes_decode(ids):
