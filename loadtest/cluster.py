@@ -41,7 +41,8 @@ class LocalCluster:
             urls = ",".join(r.url for r in self.replicas)
             for i in range(self.n_routers):
                 self.routers.append(ServerProcess(
-                    "router", "--replicas", urls, "--policy", self.policy, *self.router_args,
+                    "router", "--replicas", urls, "--policy", self.policy,
+                    *_router_seed(self.router_args, i),
                     log_dir=self.log_dir, port=self.router_port if i == 0 else None))
             self.router = self.routers[0]
         except BaseException:
@@ -60,3 +61,18 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _router_seed(args: Sequence[str], i: int) -> tuple[str, ...]:
+    """Router ``i``'s arguments: a ``--seed S`` becomes ``S + i``, so that independent
+    routers draw random streams of their own, as separate deployments would (the same seed
+    everywhere would make their random choices, tie-breaks and round-robin starts move in
+    step); reproducible all the same."""
+    args = list(args)
+    for j, arg in enumerate(args[:-1]):
+        if arg == "--seed":
+            args[j + 1] = str(int(args[j + 1]) + i)
+    for j, arg in enumerate(args):
+        if arg.startswith("--seed="):
+            args[j] = f"--seed={int(arg.split('=', 1)[1]) + i}"
+    return tuple(args)

@@ -17,7 +17,10 @@ class RoundRobin(Policy):
 
     def __init__(self, rng=None) -> None:
         super().__init__(rng)
-        self._next = 0
+        # Each router starts its rotation at a replica of its own (drawn from --seed when
+        # set): routers that all started at the first replica would move in step, a burst
+        # landing on one replica at a time.
+        self._next = self.rng.randrange(1 << 30)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         ordered = sorted(candidates, key=lambda c: c.name)
