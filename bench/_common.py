@@ -8,10 +8,12 @@ warm-up, and runs with the cyclic GC paused (as ``timeit`` does) unless ``--keep
 from __future__ import annotations
 
 import gc
+import http.server
 import json
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -236,3 +238,44 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     """The sum of the samples named ``name`` whose labels include ``labels``."""
     return sum(v for n, got, v in metric_samples(text)
                if n == name and all(got.get(k) == want for k, want in labels.items()))
+
+
+# --------------------------------------------------------------------------- tracing
+
+class OTLPSink:
+    """An OTLP/HTTP collector on a loopback port (a context manager): every export is
+    answered 200 and counted; with ``keep`` its (path, content type, body) kept too. The
+    router's tracing benchmark sends to one, and so do the tracing tests."""
+
+    def __init__(self, keep: bool = False) -> None:
+        sink = self
+        self.exports = self.bytes = 0
+        self.received: list[tuple[str, str, bytes]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                sink.exports, sink.bytes = sink.exports + 1, sink.bytes + len(body)
+                if keep:
+                    sink.received.append((self.path, self.headers["content-type"], body))
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> OTLPSink:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -53,10 +53,8 @@ import asyncio
 import contextlib
 import gc
 import http.client
-import http.server
 import json
 import os
-import threading
 import time
 from urllib.parse import urlsplit
 
@@ -65,38 +63,10 @@ import numpy as np
 
 from loadtest.processes import ServerProcess
 
-from ._common import metric_sum, percentiles_ms, print_table, write_result
+from ._common import OTLPSink, metric_sum, percentiles_ms, print_table, write_result
 
 MODEL = "sim-byte-lm"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class TraceSink:
-    """An OTLP/HTTP collector that keeps nothing: every export answered 200, counted."""
-
-    def __init__(self) -> None:
-        sink = self
-        self.exports = self.bytes = 0
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                sink.exports, sink.bytes = sink.exports + 1, sink.bytes + len(body)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def start_replica(*args: str) -> ServerProcess:
@@ -398,7 +368,7 @@ def throughput_run(router: ServerProcess, bodies: list[bytes], concurrency: int,
 # --------------------------------------------------------------------------- main
 
 def tracing_ab(rounds: dict[str, list[dict]], clients: list[str], ks: list[int], name,
-               sink: TraceSink) -> dict:
+               sink: OTLPSink) -> dict:
     """What tracing costs the router when on: per client and k, router CPU per request and
     added p50 (medians over the rounds) traced against untraced."""
     cost, lines = {}, []
@@ -498,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     clients = [c for c in args.clients.split(",") if c]
     configs = [(c, k, traced) for c in clients for k in ks
                for traced in ((False, True) if args.tracing else (False,))]
-    sink = TraceSink() if args.tracing else None
+    sink = OTLPSink() if args.tracing else None
     bodies = make_prompts(args.prompts, args.prompt_chars, args.seed)
     pages = args.prompts * (-(-(args.prompt_chars + 2) // 32)) * 2 + 256
 

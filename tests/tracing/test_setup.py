@@ -3,17 +3,15 @@ OTLP/HTTP export (flushed on shutdown), and the start-up error without the extra
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from bench._common import OTLPSink
 from replicas.settings import parse_args as replica_args
 from router.settings import parse_args as router_args
 from wire import tracing
@@ -73,27 +71,11 @@ def test_an_endpoint_that_is_no_http_url_is_refused():
         tracing.setup("collector:4318", "router", "router")
 
 
-class Collector:
+class Collector(OTLPSink):
     """An OTLP/HTTP collector on a loopback port: keeps each export request it gets."""
 
     def __init__(self) -> None:
-        self.received: list[tuple[str, str, bytes]] = []  # (path, content type, body)
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                collector.received.append((self.path, self.headers["content-type"], body))
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        super().__init__(keep=True)
 
     def spans(self) -> list[tuple[str, str]]:
         """(service.name, span name) of everything exported to /v1/traces."""
@@ -109,20 +91,8 @@ class Collector:
         return out
 
 
-@contextlib.contextmanager
-def collecting():
-    collector = Collector()
-    thread = threading.Thread(target=collector.server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield collector
-    finally:
-        collector.server.shutdown()
-        collector.server.server_close()
-
-
 def test_the_endpoint_setting_exports_over_otlp_http_and_shutdown_flushes_the_batch():
-    with collecting() as collector:
+    with Collector() as collector:
         made = tracing.setup(collector.url, "router", "router")
         made.tracer.start_span("one").end()
         assert collector.spans() == []  # batched, not sent one by one
@@ -131,7 +101,7 @@ def test_the_endpoint_setting_exports_over_otlp_http_and_shutdown_flushes_the_ba
 
 
 def test_the_standard_environment_configures_the_export_and_the_service_name(monkeypatch):
-    with collecting() as collector:
+    with Collector() as collector:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)  # base: +/v1/traces
         monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-router")
         made = tracing.setup(None, "router", "router")
