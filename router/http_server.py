@@ -19,7 +19,8 @@ answer instead of a reset):
   reading when announced) on every path;
 - connections past ``max_connections`` get a 503 as they are accepted;
 - request trailers are read and dropped (bounded by ``MAX_HEAD_BYTES``), never added to the
-  headers the app already has; an HTTP/1.0 client gets no ``100 Continue``; a protocol
+  headers the app already has; an HTTP/1.0 client gets no ``100 Continue``, and an answer
+  of unknown length (a stream) delimited by the close, not chunked; a protocol
   upgrade (WebSocket) is refused (400) and a request the parser rejects gets a 400 with a
   JSON body instead of uvicorn's plain text.
 """
@@ -121,6 +122,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.parser.get_http_version() == "1.0":
             self.cycle.waiting_for_100_continue = False  # 100 Continue is HTTP/1.1
+            _close_delimited(self.cycle)
         self._progress_at = self.loop.time()
         self._arm(self.body_timeout_s)  # cancelled when the message is complete
 
@@ -216,6 +218,28 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self.flow.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
+
+
+def _close_delimited(cycle) -> None:
+    """An answer of unknown length goes to an HTTP/1.0 client delimited by the connection's
+    close, which HTTP/1.0 reads, instead of uvicorn's chunked encoding, which it does not
+    (RFC 9112, 6.1: no Transfer-Encoding in a response to an HTTP/1.0 request). uvicorn
+    already closes every HTTP/1.0 connection after its answer; each body message is let
+    through as if its own length had been announced."""
+    send, unframed = cycle.send, False
+
+    async def close_delimited(message: dict) -> None:
+        nonlocal unframed
+        if message["type"] == "http.response.start":
+            unframed = not any(name.lower() == b"content-length"
+                               for name, _ in message.get("headers", ()))
+            if unframed:
+                cycle.chunked_encoding = False
+        elif unframed and message["type"] == "http.response.body":
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = close_delimited  # run_asgi hands the app cycle.send when it starts
 
 
 def protocol_class(max_body_bytes: int, head_timeout_s: float, body_timeout_s: float,

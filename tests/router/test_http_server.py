@@ -238,6 +238,35 @@ def test_an_http10_request_is_answered_and_the_connection_closes():
     assert json.loads(data.partition(b"\r\n\r\n")[2])["body"] == "ok"
 
 
+def test_an_http10_client_gets_a_stream_delimited_by_the_close_not_chunked():
+    async def stream(headers, body, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for event in (b"data: 1\n\n", b"data: 2\n\n"):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    data = until_close(b"POST /stream HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n\r\nok",
+                       {("POST", "/stream"): stream})
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding" not in head.lower() and b"content-length" not in head.lower()
+    assert b"connection: close" in head.lower()
+    assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"  # the bytes, unframed
+
+
+def test_an_http11_client_still_gets_a_stream_chunked():
+    async def stream(headers, body, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ab", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    data = until_close(b"POST /stream HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n"
+                       b"connection: close\r\n\r\n", {("POST", "/stream"): stream})
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower() and body == b"2\r\nab\r\n0\r\n\r\n"
+
+
 # -- refusals --------------------------------------------------------------------------------
 
 def test_limits_refuse_with_an_openai_error_and_close():
