@@ -25,6 +25,8 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from wire.http10 import close_delimited
+
 
 HEAD_HOLD_S = 0.02  # how long a streamed response's head waits for its first event
 
@@ -94,7 +96,13 @@ class CoalescingTransport:
 
 
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on a ``CoalescingTransport``."""
+    """uvicorn's httptools protocol on a ``CoalescingTransport``; a stream to an HTTP/1.0
+    client delimited by the close (``wire.http10``)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.parser.get_http_version() == "1.0":
+            close_delimited(self.cycle)

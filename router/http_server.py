@@ -37,6 +37,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from wire.errors import APIError, error_headers, too_large
+from wire.http10 import close_delimited
 
 MAX_HEAD_BYTES = 64 * 1024  # request line and header fields together; trailers alike
 LINGER_S = 2.0  # after a refusal, how long the client's last bytes are read and dropped
@@ -122,7 +123,7 @@ class FrontDoorProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.parser.get_http_version() == "1.0":
             self.cycle.waiting_for_100_continue = False  # 100 Continue is HTTP/1.1
-            _close_delimited(self.cycle)
+            close_delimited(self.cycle)
         self._progress_at = self.loop.time()
         self._arm(self.body_timeout_s)  # cancelled when the message is complete
 
@@ -218,28 +219,6 @@ class FrontDoorProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self.flow.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
-
-
-def _close_delimited(cycle) -> None:
-    """An answer of unknown length goes to an HTTP/1.0 client delimited by the connection's
-    close, which HTTP/1.0 reads, instead of uvicorn's chunked encoding, which it does not
-    (RFC 9112, 6.1: no Transfer-Encoding in a response to an HTTP/1.0 request). uvicorn
-    already closes every HTTP/1.0 connection after its answer; each body message is let
-    through as if its own length had been announced."""
-    send, unframed = cycle.send, False
-
-    async def close_delimited(message: dict) -> None:
-        nonlocal unframed
-        if message["type"] == "http.response.start":
-            unframed = not any(name.lower() == b"content-length"
-                               for name, _ in message.get("headers", ()))
-            if unframed:
-                cycle.chunked_encoding = False
-        elif unframed and message["type"] == "http.response.body":
-            cycle.expected_content_length = len(message.get("body", b""))
-        await send(message)
-
-    cycle.send = close_delimited  # run_asgi hands the app cycle.send when it starts
 
 
 def protocol_class(max_body_bytes: int, head_timeout_s: float, body_timeout_s: float,
