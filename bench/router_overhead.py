@@ -161,14 +161,19 @@ def preload(replica_urls: list[str], bodies: list[bytes]) -> None:
             c.close()
 
 
+def upper_median(values) -> float:
+    """The median, the upper one of an even count (a value that was measured)."""
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def median_round(rounds: list[dict], key) -> dict:
     """The round whose ``key`` is the median (the upper one of an even count), with the
     median of the per-request CPU of all rounds (CPU and latency can drift separately)."""
     chosen = dict(sorted(rounds, key=key)[len(rounds) // 2])
     for name in ("router_cpu_ms_per_request", "gateway_cpu_ms_per_request"):
         if name in chosen:
-            values = sorted(r[name] for r in rounds)
-            chosen[name] = values[len(values) // 2]
+            chosen[name] = upper_median(r[name] for r in rounds)
     chosen["rounds"] = len(rounds)
     return chosen
 
@@ -373,9 +378,6 @@ def tracing_ab(rounds: dict[str, list[dict]], clients: list[str], ks: list[int],
     added p50 (medians over the rounds) traced against untraced."""
     cost, lines = {}, []
 
-    def med(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
     for client in clients:
         for k in ks:
             off, on = rounds.get(name(client, k)), rounds.get(name(client, k, True))
@@ -384,7 +386,7 @@ def tracing_ab(rounds: dict[str, list[dict]], clients: list[str], ks: list[int],
             row = {}
             for key, get in (("cpu_ms_per_request", lambda r: r["router_cpu_ms_per_request"]),
                              ("added_p50_ms", lambda r: r["added"]["p50_ms"])):
-                row[key] = {"off": med([get(r) for r in off]), "on": med([get(r) for r in on])}
+                row[key] = {"off": upper_median(map(get, off)), "on": upper_median(map(get, on))}
             cost[name(client, k)] = row
             cpu, added = row["cpu_ms_per_request"], row["added_p50_ms"]
             lines.append(f"tracing {name(client, k)}: router CPU/request {cpu['on']:.3f} ms "
@@ -408,9 +410,6 @@ def client_ab(rounds: dict[str, list[dict]], tputs: dict[str, dict], clients: li
         return {}
     saving, lines = {}, []
 
-    def med(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
     def compare(label: str, cpu: dict[str, float], extra: dict) -> None:
         best = min((c for c in others if c in cpu), key=cpu.get)
         saving[label] = {"cpu_ms_per_request": cpu, "best_other": best,
@@ -420,7 +419,8 @@ def client_ab(rounds: dict[str, list[dict]], tputs: dict[str, dict], clients: li
             f"; http1 saves {saving[label]['saving']:+.1%} against {best}")
 
     for k in ks:
-        cpu = {c: med([r["router_cpu_ms_per_request"] for r in rounds[name(c, k)]])
+        cpu = {c: upper_median(r["router_cpu_ms_per_request"]
+                                for r in rounds[name(c, k)])
                for c in clients if rounds.get(name(c, k))}
         if "http1" in cpu and any(c in cpu for c in others):
             compare(f"k={k}", cpu, {})
