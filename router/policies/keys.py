@@ -9,10 +9,12 @@ back ends the router cannot tokenize for, in chunks of characters.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -58,13 +60,24 @@ class _Tables:
 _TABLES = _Tables()
 
 
+@lru_cache(maxsize=4096)
+def _scope_seed(scope: str) -> int:
+    """The chain's start for ``scope``: odd, so that a run of all-zero units (each hashes to
+    0) still gives a different key at every depth (``P**(j+1) * seed`` differs for every
+    ``j`` below 2**62 only when ``seed`` is odd), and the same in every process (``hash()``
+    of a str is salted per process, which made keys, and the order of sets of them, vary
+    between runs)."""
+    digest = hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1
+
+
 def chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, ...]:
     """One key per full ``step`` bytes of ``data`` (``block_keys`` of little-endian uint32
     token ids is ``chain_keys(ids, 4 * tokens_per_block, scope)``).
 
     Vectorised (a Python loop over 125 blocks of a 4k-token prompt cost ~35 us): each unit
     is hashed from its words (mixed, times a multiplier per position, summed), the chain is
-    ``K_j = K_(j-1) * P + h_j`` modulo 2**64 from ``hash(scope)``, computed for all ``j`` at
+    ``K_j = K_(j-1) * P + h_j`` modulo 2**64 from ``K_-1 = _scope_seed(scope)``, computed for all ``j`` at
     once as ``P**j * (P * K_-1 + cumsum(h_i * P**-i))``, and each ``K_j`` goes through a
     bijective finaliser. Keys are 64-bit: equal prefixes give equal keys; different ones
     collide with negligible probability (and a collision only skews an estimate).
@@ -83,7 +96,7 @@ def chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, ...]:
     h ^= h >> _S29
     pw, inv = _TABLES.powers(n)
     acc = np.cumsum(h * inv, dtype=np.uint64)
-    acc += np.uint64(_P * (hash(scope) & _MASK) & _MASK)
+    acc += np.uint64(_P * _scope_seed(scope) & _MASK)
     acc *= pw
     acc ^= acc >> _S33
     acc *= _C2

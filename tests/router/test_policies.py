@@ -1,6 +1,11 @@
 """Policies as pure objects: exact choices for exact inputs."""
 
+import hashlib
+import os
+import subprocess
+import sys
 from collections import Counter, OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,7 +335,8 @@ def reference_chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, 
     """``chain_keys`` as its docstring defines it, one unit and one word at a time: each
     unit's words (1, 4 or 8 bytes, little-endian) mixed, times the splitmix64 multiplier of
     their position (forced odd), summed and mixed into ``h_j``; ``K_j = K_(j-1) * P + h_j``
-    from ``hash(scope)``; each ``K_j`` through the finaliser."""
+    from the scope's seed (its 8-byte blake2b digest, little-endian, forced odd); each
+    ``K_j`` through the finaliser."""
     size = 8 if step % 8 == 0 else 4 if step % 4 == 0 else 1
     multipliers, x = [], 0x243F6A8885A308D3
     for _ in range(step // size):
@@ -338,7 +344,8 @@ def reference_chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, 
         z = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK
         multipliers.append((z ^ (z >> 31)) | 1)
-    key, keys = hash(scope) & _MASK, []
+    seed = int.from_bytes(hashlib.blake2b(scope.encode(), digest_size=8).digest(), "little")
+    key, keys = seed | 1, []
     for j in range(len(data) // step):
         unit = data[j * step:(j + 1) * step]
         words = [int.from_bytes(unit[i:i + size], "little") for i in range(0, step, size)]
@@ -373,3 +380,26 @@ def test_chain_keys_differ_from_the_first_unit_that_differs():
     assert swapped[:3] == keys[:3] and swapped[3] != keys[3]
     assert chain_keys(data[:100], 5) == keys[:20]  # a prefix's keys begin the longer's
     assert chain_keys(data, 5, "tenant-a")[0] != keys[0]
+
+
+@pytest.mark.parametrize("scope", ["", "tenant-a"])
+def test_runs_of_zero_blocks_get_a_different_key_at_every_depth(scope):
+    """A block of zero ids hashes to 0; the chain's odd start still moves at every block,
+    so a prompt of 1 zero block and one of 3 share exactly their first key (a start of 0,
+    as ``hash("")`` is, gave key 0 at every depth: 3 shared blocks with a 1-block prompt)."""
+    keys = block_keys([0] * 32 * 64, 32, scope)
+    assert len(set(keys)) == 64
+    seen = OrderedDict.fromkeys(block_keys([0] * 32, 32, scope))
+    assert shared_units(block_keys([0] * 96, 32, scope), seen) == 1
+
+
+def test_keys_are_the_same_in_every_process():
+    """``hash()`` of a str is salted per process; keys are not, so a simulation's sets of
+    keys (and their order) repeat from run to run."""
+    code = ("from router.policies import block_keys; "
+            "print(block_keys(list(range(96)), 32, 'tenant-a'))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, cwd=Path(__file__).parents[2],
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2")}
+    assert outs == {f"{block_keys(list(range(96)), 32, 'tenant-a')}\n"}
