@@ -1,15 +1,21 @@
 """deploy/grafana and deploy/prometheus: the files parse, and every metric a Grafana panel
-queries exists in the live /metrics of a router and a replica after some traffic."""
+queries exists in the live /metrics of a router and a replica after some traffic (the
+Tenants row's in a router run with --api-keys)."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+
+from bench._common import metric_sum
+from tests.procs import Proc
+from tests.waiting import until
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "prefix-router.json"
@@ -54,8 +60,27 @@ def panels(dashboard: dict):
         yield from p.get("panels", [])  # collapsed rows keep theirs inside
 
 
-def queries(dashboard: dict) -> list[str]:
-    return [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+def queries(some) -> list[str]:
+    return [t["expr"] for p in some for t in p.get("targets", [])]
+
+
+def in_row(dashboard: dict, title: str) -> list[dict]:
+    """The panels under the row ``title``: a collapsed row's own, or an open row's, those
+    below it on the grid down to the next row."""
+    rows = [p for p in dashboard["panels"] if p["type"] == "row"]
+    (row,) = [r for r in rows if r["title"] == title]
+    if row["collapsed"]:
+        return row["panels"]
+    top = row["gridPos"]["y"]
+    bottom = min((r["gridPos"]["y"] for r in rows if r["gridPos"]["y"] > top), default=math.inf)
+    return [p for p in dashboard["panels"]
+            if p["type"] != "row" and top < p["gridPos"]["y"] < bottom]
+
+
+# The Tenants row's series: the router has them only with --api-keys.
+TENANT_METRICS = {"router_tenant_requests_total", "router_tenant_rejected_total",
+                  "router_tenant_prompt_tokens_total", "router_tenant_cached_tokens_total",
+                  "router_tenant_in_flight"}
 
 
 def test_dashboard_json_is_complete():
@@ -81,7 +106,8 @@ def test_dashboard_json_is_complete():
     titles = " | ".join(p["title"].lower() for p in data)
     for topic in ("health", "share of traffic", "hit rate", "reused vs computed",
                   "attention-only vs final", "kv pages", "kv pages per pool",
-                  "evicted pages per pool", "running and waiting", "ttft", "decisions"):
+                  "evicted pages per pool", "running and waiting", "ttft", "decisions",
+                  "tenant"):
         assert topic in titles, topic
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["current"]["value"] == "prometheus"
@@ -111,9 +137,12 @@ def test_every_queried_metric_exists_live(live):
     replica = httpx.get(live.replicas[0].url + "/metrics").text
     available = exposed(router) | exposed(replica)
     d = json.loads(DASHBOARD.read_text())
-    wanted = set().union(*(metric_names(q) for q in queries(d)))
+    tenants = in_row(d, "Tenants")  # test_tenant_panels_query_what_a_router_with_keys_has
+    wanted = set().union(*(metric_names(q) for q in queries(p for p in panels(d)
+                                                            if p not in tenants)))
     wanted.add("router_replica_healthy")  # the $replica variable's query
     assert wanted - available == set()
+    assert available & TENANT_METRICS == set()  # without --api-keys the Tenants row is empty
     assert {n for n in wanted if n.startswith("router_")}  # both sides are on the dashboard
     assert {n for n in wanted if n.startswith("replica_")}
     for histogram in ("router_time_to_first_token_seconds", "replica_time_to_first_token_seconds"):
@@ -145,3 +174,59 @@ def test_provisioning_and_scrape_config():
                        "replicas": ["replica-1:9001", "replica-2:9001", "replica-3:9001"]}
     (relabel,) = jobs["replicas"]["relabel_configs"]
     assert relabel["target_label"] == "replica" and relabel["replacement"] == "http://${1}"
+
+
+KEYS = """\
+tenants:
+  acme:
+    keys: [acme-key]
+    limits: {requests_per_minute: 2}
+  beta:
+    keys: [beta-key]
+default: reject
+"""
+PROMPT = "Tenant acme's system prompt, the same each time, long enough for blocks. " * 3
+
+
+def complete(router: Proc, key: str | None) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(router.url + "/v1/completions", headers=headers, timeout=30,
+                      json={"model": "sim-byte-lm", "prompt": PROMPT, "max_tokens": 2})
+
+
+def idle_metrics(router: Proc) -> str | None:
+    """The router's /metrics once no tenant has a request in flight, else None."""
+    text = httpx.get(router.url + "/metrics", timeout=10).text
+    return text if metric_sum(text, "router_tenant_in_flight") == 0 else None
+
+
+def test_tenant_panels_query_what_a_router_with_keys_has(tmp_path):
+    d = json.loads(DASHBOARD.read_text())
+    tenants = in_row(d, "Tenants")
+    assert [p["type"] for p in tenants] == ["timeseries"] * 5 + ["text"]
+    assert set().union(*(metric_names(q) for q in queries(tenants))) == TENANT_METRICS
+    keys = tmp_path / "api-keys.yaml"
+    keys.write_text(KEYS)
+    with (Proc("replicas", "--engine", "sim", "--log-level", "warning",
+               "--tokens-per-block", "16") as replica,
+          Proc("router", "--replicas", replica.url, "--log-level", "warning",
+               "--tokens-per-block", "16", "--api-keys", str(keys)) as router):
+        answers = [complete(router, key) for key in ("acme-key", "acme-key", "beta-key")]
+        assert [r.status_code for r in answers] == [200, 200, 200]
+        assert complete(router, "acme-key").status_code == 429  # acme's 3rd in the minute
+        assert complete(router, None).status_code == 401
+        text = until(lambda: idle_metrics(router), "every answer's slot given back")
+    usage = [r.json()["usage"] for r in answers]
+    hits = [u["prompt_tokens_details"]["cached_tokens"] for u in usage]
+    assert hits[0] == 0 and hits[1] > 0  # acme's repeat hit its own cache
+    assert metric_sum(text, "router_tenant_requests_total", tenant="acme") == 2
+    assert metric_sum(text, "router_tenant_requests_total", tenant="beta") == 1
+    assert metric_sum(text, "router_tenant_rejected_total", tenant="acme",
+                      reason="rate_limit_requests") == 1
+    assert metric_sum(text, "router_tenant_rejected_total", tenant="",
+                      reason="unauthenticated") == 1
+    assert metric_sum(text, "router_tenant_rejected_total") == 2
+    assert metric_sum(text, "router_tenant_prompt_tokens_total", tenant="acme") == (
+        usage[0]["prompt_tokens"] + usage[1]["prompt_tokens"])
+    assert metric_sum(text, "router_tenant_cached_tokens_total", tenant="acme") == hits[1]
+    assert TENANT_METRICS - exposed(text) == set()
