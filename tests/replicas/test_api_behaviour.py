@@ -65,7 +65,8 @@ def test_full_queue_answers_429_with_retry_after():
     with Proc("replicas", *SLOW, "--max-num-seqs", "1", "--max-waiting", "1") as rep:
         async def run():
             async with httpx.AsyncClient(base_url=rep.url, timeout=30) as c:
-                body = {"prompt": "z", "max_tokens": 50}  # 1 s each
+                body = {"prompt": "z", "max_tokens": 150}  # 3 s each: the third comes
+                # while the first runs and the second waits, on a loaded machine too
                 first = asyncio.create_task(c.post("/v1/completions", json=body))
                 await until_scheduled(c, running=1, waiting=0)
                 second = asyncio.create_task(c.post("/v1/completions", json=body))
@@ -113,7 +114,8 @@ def test_internal_token_guards_probe_and_stats():
 def test_sigterm_drains_then_exits():
     rep = Proc("replicas", *SLOW, "--drain-timeout-s", "20")
     try:
-        body = {"prompt": "drain", "max_tokens": 40, "stream": True}
+        body = {"prompt": "drain", "max_tokens": 150, "stream": True}  # runs 3 s: the
+        # late request comes while it drains
         with httpx.stream("POST", rep.url + "/v1/completions", json=body, timeout=20) as r:
             lines = r.iter_lines()
             next(lines)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.procs import Proc
-from tests.router.cluster import cluster
+from tests.router.cluster import WAIT_FOR_PROBES, cluster
 
 SECRET = "tenant-secret-1"
 OTHER_SECRET = "tenant-secret-2"
@@ -24,7 +24,7 @@ TPB = "16"
 def live():
     """One replica (so a miss cannot be explained by routing to another replica), three
     routers in front of it: two with the same tenant secret, one with another."""
-    common = ("--tokens-per-block", TPB, "--internal-token", TOKEN)
+    common = ("--tokens-per-block", TPB, "--internal-token", TOKEN, *WAIT_FOR_PROBES)
     with cluster(1, ("--tokens-per-block", TPB, "--sim-speedup", "20",
                      "--internal-token", TOKEN),
                  (*common, "--tenant-secret", SECRET)) as (router, replicas):
