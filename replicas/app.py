@@ -7,6 +7,7 @@ import dataclasses
 import hmac
 import random
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -56,16 +57,14 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
-        faults.maybe_fail()
-        tokens = service.completion_tokens(body)
-        return await _generate(service, request, body, tokens, "completion",
+        return await _generate(service, request, body, faults,
+                               lambda: service.completion_tokens(body), "completion",
                                settings.default_max_tokens)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        faults.maybe_fail()
-        tokens = service.chat_tokens(body)
-        return await _generate(service, request, body, tokens, "chat",
+        return await _generate(service, request, body, faults,
+                               lambda: service.chat_tokens(body), "chat",
                                settings.default_chat_max_tokens)
 
     document(app, "POST", "/probe_reuse", response_model=ProbeAnswer, responses=_ERRORS,
@@ -143,12 +142,17 @@ def _header(scope, name: bytes) -> str:
 
 
 async def _generate(service: ReplicaService, request: Request, body: _GenerationParams,
-                    tokens: list[int], kind: str, default_max: int):
+                    faults: _Faults, tokens_of: Callable[[], list[int]], kind: str,
+                    default_max: int):
+    """``tokens_of()`` gives the prompt's ids (or raises the APIError that refuses it):
+    called inside the request's span, so that a refusal (an injected fault, a wrong model,
+    a prompt the template or the limits refuse, a full queue) is traced too."""
     request_id = request.headers.get("x-request-id") or new_request_id()
     tracing = service.tracing  # None: off
     span = None if tracing is None else tracing.completion(request.scope, request_id)
     try:
-        seq = service.new_sequence(tokens, body, default_max, request_id)
+        faults.maybe_fail()
+        seq = service.new_sequence(tokens_of(), body, default_max, request_id)
         service.submit(seq)
     except APIError as exc:
         if span is not None:

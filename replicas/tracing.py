@@ -47,7 +47,9 @@ class ReplicaTracing:
                                       SpanKind.SERVER, attributes)
 
     def refused(self, span, exc: APIError) -> None:
-        """The request was refused before it was queued (400, 429, 503)."""
+        """The request was refused before it was queued: an injected fault (500), a model
+        not served here (404), a prompt it cannot take (400), a full queue (429), a drain
+        (503). The server span alone, with the status."""
         span.set_attribute("http.response.status_code", exc.status)
         if exc.status >= 500:
             _error(span, str(exc.status), str(exc))

@@ -232,7 +232,9 @@ def test_a_retry_is_a_second_forward_span_saying_why():
                   for _ in range(2)]
         assert [r.headers["x-replica"] for r in served] == [sound, sound]
         until(lambda: router_side.names().count("router request") == 2
-              and replica_side.names().count("decode") == 2, "both requests' spans")
+              and replica_side.names().count("decode") == 2
+              and replica_side.names().count("POST /v1/chat/completions") == 3,
+              "both requests' spans, and the refused attempt's")
     spans = router_side.spans()
     (root,) = [s for s in spans if s.name == "router request"
                and children(spans, s) == ["choose", "forward", "forward", "tokenize"]]
@@ -250,7 +252,39 @@ def test_a_retry_is_a_second_forward_span_saying_why():
         (2, sound, "replica answered 500", "ok")
     assert [e.name for e in second.events] == ["first token"]
     assert root.attributes["http.response.status_code"] == 200
-    # the sound replica's answer continues the second attempt; the failing one traced none
-    (continued,) = [s for s in replica_side.spans() if s.name == "POST /v1/chat/completions"
-                    and s.context.trace_id == root.context.trace_id]
+    # each attempt is continued by its replica: the failing one's span says 500, and has
+    # no queue, prefill or decode (the request never reached the scheduler)
+    theirs = replica_side.spans()
+    refused, continued = sorted(
+        (s for s in theirs if s.name == "POST /v1/chat/completions"
+         and s.context.trace_id == root.context.trace_id),
+        key=lambda s: s.attributes["http.response.status_code"], reverse=True)
+    assert (refused.parent.span_id, refused.attributes["http.response.status_code"],
+            refused.attributes["error.type"], refused.status.status_code.name) == (
+        first.context.span_id, 500, "500", "ERROR")
+    assert children(theirs, refused) == []
     assert continued.parent.span_id == second.context.span_id
+    assert children(theirs, continued) == ["decode", "prefill", "queue"]
+
+
+def test_a_request_the_replica_refuses_is_a_server_span_with_its_status(traced):
+    """A wrong model (404) and a prompt of ids outside the vocabulary (400), sent to a
+    replica directly: each is one server span with the status, continuing the caller's
+    trace; a 4xx is the caller's error, not the server's (no ERROR status)."""
+    _, replicas, _, replica_side = traced
+    replica_side.exporter.clear()
+    parent = f"00-{CLIENT_TRACE_ID:032x}-{CLIENT_SPAN_ID:016x}-01"
+    wrong_model = httpx.post(replicas[0] + "/v1/chat/completions", timeout=30,
+                             headers={"traceparent": parent},
+                             json={"model": "nope", "messages": MESSAGES, "max_tokens": 2})
+    bad_ids = httpx.post(replicas[0] + "/v1/completions", timeout=30,
+                         headers={"traceparent": parent},
+                         json={"prompt": [1, 2, 10**6], "max_tokens": 2})
+    assert (wrong_model.status_code, bad_ids.status_code) == (404, 400), bad_ids.text
+    until(lambda: replica_side.names() == ["POST /v1/chat/completions", "POST /v1/completions"],
+          lambda: f"both refusals' spans: {replica_side.names()}")
+    spans = sorted(replica_side.spans(), key=lambda s: s.start_time)
+    assert [(s.attributes["http.response.status_code"], s.status.status_code.name,
+             s.context.trace_id, s.parent.span_id) for s in spans] == [
+        (404, "UNSET", CLIENT_TRACE_ID, CLIENT_SPAN_ID),
+        (400, "UNSET", CLIENT_TRACE_ID, CLIENT_SPAN_ID)]
