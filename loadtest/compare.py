@@ -120,12 +120,23 @@ def run_external(name: str, command: str | None, requests: list[Request],
                 restarted = _restart_later(workers, 0, restart_at, replica_args, log_dir)
                 result = run(requests, replace(config, url=gws[0].url, model=gws[0].model,
                                                more_urls=tuple(g.url for g in gws[1:])))
+                decisions: dict[str, float] = {}
+                for gw in gws:
+                    for outcome, n in gw.prefix_decisions().items():
+                        decisions[outcome] = decisions.get(outcome, 0.0) + n
         else:
             if routers != 1 or restart_at is not None:
                 raise ValueError("--external-cmd runs one router, without restarts")
-            restarted = {}
+            restarted, decisions = {}, {}
             result = _run_command_router(command, urls, requests, config, log_dir)
-        return _finish(result, workers, restarted, window_s)
+        doc = _finish(result, workers, restarted, window_s)
+        if decisions:
+            doc["peer_prefix_decisions"] = decisions
+            if decisions.get("missing_tokens"):
+                print(f"warning: {name} routed {decisions['missing_tokens']:.0f} requests "
+                      "without their token ids (outcome missing_tokens): by load alone, "
+                      "its prefix matching skipped", file=sys.stderr)
+        return doc
     finally:
         for w in workers:
             w.stop()

@@ -272,6 +272,23 @@ class SGLangRouter:
         """The gateway's view of its workers (``GET /workers``)."""
         return httpx.get(self.url + "/workers", timeout=5.0, trust_env=False).json()
 
+    def prefix_decisions(self) -> dict[str, float]:
+        """Its prefix-routing decisions so far by outcome, from its Prometheus metrics:
+        ``vllm_router_prefix_routing_decisions_total`` (``prefix_hit``, ``prefix_miss``,
+        ``load_imbalance``, ``missing_tokens``: no token ids for the request, so it was
+        routed by load alone). Empty for a gateway without that family (SGLang's)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.metrics_url, timeout=5.0, trust_env=False).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name.endswith("_prefix_routing_decisions"):
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        outcome = sample.labels.get("outcome", "")
+                        out[outcome] = out.get(outcome, 0.0) + sample.value
+        return out
+
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM (graceful: exit 0 in ~0.1 s when idle; SIGINT would end in a Python
         KeyboardInterrupt traceback), then SIGINT, then SIGKILL."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -22,7 +22,8 @@ from wire.openapi import body_schema, not_ready_body
 from wire.openapi import install as install_openapi
 from wire.schemas import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                           CompletionResponse, ErrorResponse, ModelList, ProbeAnswer, ProbeRequest,
-                          ReplicaStats, _GenerationParams, Status, TokenizerInfo)
+                          RenderedPrompt, ReplicaStats, _GenerationParams, Status,
+                          TokenizerInfo)
 
 from .body_limit import BodySizeLimit
 from .responses import DONE, Formatter, text_pieces
@@ -66,6 +67,21 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
         return await _generate(service, request, body, faults,
                                lambda: service.chat_tokens(body), "chat",
                                settings.default_chat_max_tokens)
+
+    # vLLM's render API: the prompt's token ids as a completion would compute them. vLLM's
+    # router (0.1.17) routes by prefix only through these: it asks every worker to render
+    # every request, and routes by load alone when a worker cannot.
+    @app.post("/v1/completions/render", response_model=list[RenderedPrompt],
+              responses=_ERRORS)
+    async def render_completion(body: CompletionRequest, request: Request):
+        return _json([_rendered(service, request, body, service.completion_tokens,
+                                settings.default_max_tokens)])
+
+    @app.post("/v1/chat/completions/render", response_model=RenderedPrompt,
+              responses=_ERRORS)
+    async def render_chat_completion(body: ChatCompletionRequest, request: Request):
+        return _json(_rendered(service, request, body, service.chat_tokens,
+                               settings.default_chat_max_tokens))
 
     document(app, "POST", "/probe_reuse", response_model=ProbeAnswer, responses=_ERRORS,
              openapi_extra=body_schema(ProbeRequest))
@@ -123,6 +139,16 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     hot = HotRoutes(app, settings.max_body_bytes)
     hot.add("POST", "/probe_reuse", probe_reuse)
     return hot
+
+
+def _rendered(service: ReplicaService, request: Request, body: _GenerationParams,
+              tokens_of: Callable[[_GenerationParams], list[int]], default_max: int) -> dict:
+    request_id = request.headers.get("x-request-id") or new_request_id()
+    return service.rendered(tokens_of(body), body, default_max, request_id)
+
+
+def _json(content) -> Response:
+    return Response(jsonwire.dumps(content), media_type="application/json")
 
 
 def check_internal(token: str | None, authorization: str) -> None:

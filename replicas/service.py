@@ -172,6 +172,25 @@ class ReplicaService:
         if self.draining:
             raise APIError(503, "replica is draining", type="server_error",
                            code="draining")
+        max_tokens = self._output_tokens(tokens, req, default_max)
+        return Sequence(id=request_id or uuid.uuid4().hex, prompt=tokens, max_tokens=max_tokens,
+                        sampling=SamplingParams(req.temperature, req.top_p, req.seed),
+                        scope=_scope(req.cache_salt),
+                        stop_token_ids=self.tokenizer.eos_token_ids)
+
+    def rendered(self, tokens: list[int], req: _GenerationParams, default_max: int,
+                 request_id: str) -> dict:
+        """What ``new_sequence`` would run, as vLLM's render endpoints answer it
+        (``RenderedPrompt``), refused as it would be (context length, pool size)."""
+        return {"request_id": request_id, "token_ids": tokens, "features": None,
+                "sampling_params": {"max_tokens": self._output_tokens(tokens, req, default_max),
+                                    "temperature": req.temperature, "top_p": req.top_p,
+                                    "seed": req.seed, "stop": req.stop or []},
+                "model": self.model_id, "stream": req.stream, "cache_salt": req.cache_salt}
+
+    def _output_tokens(self, tokens: list[int], req: _GenerationParams,
+                       default_max: int) -> int:
+        """How many tokens a request may generate; APIError 400 when it cannot run."""
         room = self.max_model_len - len(tokens)
         if room < 1:
             raise APIError(400, f"prompt has {len(tokens)} tokens; this model's maximum "
@@ -185,10 +204,7 @@ class ReplicaService:
                            f"exceeds the maximum context length {self.max_model_len}",
                            param="max_tokens", code="context_length_exceeded")
         self._check_fits_pool(len(tokens) + max_tokens)
-        return Sequence(id=request_id or uuid.uuid4().hex, prompt=tokens, max_tokens=max_tokens,
-                        sampling=SamplingParams(req.temperature, req.top_p, req.seed),
-                        scope=_scope(req.cache_salt),
-                        stop_token_ids=self.tokenizer.eos_token_ids)
+        return max_tokens
 
     def submit(self, seq: Sequence) -> None:
         """Queue ``seq``; 429 when the admission queue is full."""

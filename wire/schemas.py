@@ -257,6 +257,33 @@ class ModelCard(BaseModel):
     engine: dict[str, Any] = {}
 
 
+class RenderedSampling(BaseModel):
+    """The sampling a rendered request would run with (the part of vLLM's
+    ``SamplingParams`` this replica has)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: Optional[int] = None
+    stop: list[str]
+
+
+class RenderedPrompt(BaseModel):
+    """``POST /v1/completions/render`` (a list of one: batched prompts are refused) and
+    ``POST /v1/chat/completions/render``: the request as this replica would run it, in the
+    shape of vLLM's render answer (its ``GenerateRequest``), so that routers that tokenize
+    through it (vLLM's router, llm-d's token producer) can match prefixes; ``token_ids``
+    are exactly the prompt a completion of the same body would compute."""
+
+    request_id: str
+    token_ids: list[int]
+    features: None = None  # multimodal features: none here
+    sampling_params: RenderedSampling
+    model: str
+    stream: bool
+    cache_salt: Optional[str] = None
+
+
 class TokenizerInfo(BaseModel):
     """``GET /tokenizer``: what a router needs to tokenize and render chats as this replica
     does. ``byte-level``: nothing more; ``hf``: the files' contents (tokenizer.json as text,

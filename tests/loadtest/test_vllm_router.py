@@ -33,3 +33,28 @@ def test_vllm_router_routes_our_replicas():
                   for r in (a, b)]
         assert all(n > 0 for n in served)  # round robin reached both
     assert gw.proc.returncode == 0  # SIGTERM: a clean stop
+
+
+def test_vllm_routers_cache_aware_policy_tokenizes_through_our_render_endpoints():
+    """vLLM's router asks every worker to render each request (``/v1/completions/render``,
+    ``/v1/chat/completions/render``) and matches prefixes on the ids; without those it
+    routes by load alone (outcome ``missing_tokens``). Sent one at a time: each group's and
+    the chat's first request (and the readiness ping) miss, every repeat hits."""
+    with ServerProcess("replicas", "--engine", "sim") as a, \
+            ServerProcess("replicas", "--engine", "sim") as b, \
+            VLLMRouter([a.url, b.url]) as gw:
+        assert gw.policy == "cache_aware"
+        with httpx.Client(base_url=gw.url, timeout=30) as c:
+            for i in range(5):
+                for g in range(2):
+                    r = c.post("/v1/completions", json={
+                        "model": gw.model, "max_tokens": 2,
+                        "prompt": f"[group {g}] " + "a shared system prompt " * 30 + f"q{i}"})
+                    assert r.status_code == 200, r.text
+            for i in range(3):
+                r = c.post("/v1/chat/completions", json={
+                    "model": gw.model, "max_tokens": 2,
+                    "messages": [{"role": "system", "content": "a chat preamble " * 40},
+                                 {"role": "user", "content": f"q{i}"}]})
+                assert r.status_code == 200, r.text
+        assert gw.prefix_decisions() == {"prefix_miss": 4.0, "prefix_hit": 10.0}

@@ -176,3 +176,26 @@ def test_the_model_id_is_the_checkpoint_directorys_name(tmp_path):
                              "torch") == "Qwen3-8B"
     assert _default_model_id(ReplicaSettings(tokenizer=str(tmp_path / "tok")), "sim") == "sim-tok"
     assert _default_model_id(ReplicaSettings(), "sim") == "sim-byte-lm"
+
+
+def test_render_gives_transformers_ids_as_vllm_answers_them(llama3):
+    """``/v1/chat/completions/render`` and ``/v1/completions/render`` (vLLM's render API, what
+    vLLM's router tokenizes through): the prompt ids are transformers' own."""
+    path, _, theirs = llama3
+    want_chat = theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    with client_for(path, [5]) as client:
+        chat = client.post("/v1/chat/completions/render",
+                           json={"messages": MESSAGES, "max_tokens": 7, "seed": 3})
+        completion = client.post("/v1/completions/render",
+                                 json={"prompt": REPLY, "stream": True, "stop": ["."]})
+    assert (chat.status_code, completion.status_code) == (200, 200), (chat.text,
+                                                                      completion.text)
+    rendered = chat.json()
+    assert rendered["token_ids"] == want_chat
+    assert rendered["sampling_params"] == {"max_tokens": 7, "temperature": 1.0, "top_p": 1.0,
+                                           "seed": 3, "stop": []}
+    (one,) = completion.json()
+    assert one["token_ids"] == theirs(REPLY)["input_ids"]  # with the bos, as transformers
+    assert (one["stream"], one["sampling_params"]["stop"], one["model"]) == (
+        True, ["."], "sim-tiny-llama3")
