@@ -58,14 +58,12 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request):
-        return await _generate(service, request, body, faults,
-                               lambda: service.completion_tokens(body), "completion",
-                               settings.default_max_tokens)
+        return await _generate(service, request, body, faults, service.completion_tokens,
+                               "completion", settings.default_max_tokens)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await _generate(service, request, body, faults,
-                               lambda: service.chat_tokens(body), "chat",
+        return await _generate(service, request, body, faults, service.chat_tokens, "chat",
                                settings.default_chat_max_tokens)
 
     # vLLM's render API: the prompt's token ids as a completion would compute them. vLLM's
@@ -168,9 +166,9 @@ def _header(scope, name: bytes) -> str:
 
 
 async def _generate(service: ReplicaService, request: Request, body: _GenerationParams,
-                    faults: _Faults, tokens_of: Callable[[], list[int]], kind: str,
-                    default_max: int):
-    """``tokens_of()`` gives the prompt's ids (or raises the APIError that refuses it):
+                    faults: _Faults, tokens_of: Callable[[_GenerationParams], list[int]],
+                    kind: str, default_max: int):
+    """``tokens_of(body)`` gives the prompt's ids (or raises the APIError that refuses it):
     called inside the request's span, so that a refusal (an injected fault, a wrong model,
     a prompt the template or the limits refuse, a full queue) is traced too."""
     request_id = request.headers.get("x-request-id") or new_request_id()
@@ -178,7 +176,7 @@ async def _generate(service: ReplicaService, request: Request, body: _Generation
     span = None if tracing is None else tracing.completion(request.scope, request_id)
     try:
         faults.maybe_fail()
-        seq = service.new_sequence(tokens_of(), body, default_max, request_id)
+        seq = service.new_sequence(tokens_of(body), body, default_max, request_id)
         service.submit(seq)
     except APIError as exc:
         if span is not None:
