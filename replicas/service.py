@@ -60,7 +60,7 @@ class ReplicaService:
         self.tracing = _tracing(settings, tracer_provider)
         # a checkpoint's tokenizer (or --tokenizer's), else byte-level
         self.tokenizer = load_tokenizer(settings.tokenizer or settings.model)
-        self.engine = engine or make_engine(settings)
+        self.engine = engine or make_engine(settings, self.tokenizer)
         _check_vocabularies(self.tokenizer.vocab_size, self.engine.vocab_size)
         plan = plan_kv_pages(settings, self.engine)
         cfg = self.engine.cache_config(plan.num_pages, settings.tokens_per_block,

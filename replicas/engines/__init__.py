@@ -6,15 +6,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .base import Engine, SamplingParams, StepItem
-from .sim import SimEngine, SimTiming
+from .sim import SimEngine, SimTiming, text_alphabet
 
 if TYPE_CHECKING:
     from ..settings import ReplicaSettings
+    from ..text import Tokenizer
 
-__all__ = ["Engine", "SamplingParams", "SimEngine", "SimTiming", "StepItem", "make_engine"]
+__all__ = ["Engine", "SamplingParams", "SimEngine", "SimTiming", "StepItem", "make_engine",
+           "text_alphabet"]
 
 
-def make_engine(settings: ReplicaSettings) -> Engine:
+def make_engine(settings: ReplicaSettings, tokenizer: Tokenizer | None = None) -> Engine:
+    """``tokenizer``: the replica's (the sim engine writes its letters in its ids)."""
     if settings.engine == "sim":
         timing = SimTiming(
             prefill_tokens_per_s=settings.sim_prefill_tokens_per_s,
@@ -23,7 +26,8 @@ def make_engine(settings: ReplicaSettings) -> Engine:
             decode_per_seq_s=settings.sim_decode_per_seq_s,
             speedup=settings.sim_speedup,
         )
-        return SimEngine(timing, max_model_len=settings.max_model_len or 32768)
+        return SimEngine(timing, max_model_len=settings.max_model_len or 32768,
+                         alphabet=text_alphabet(tokenizer) if tokenizer is not None else None)
     if settings.engine == "torch":
         from .torch_engine import TorchEngine  # imports torch only when asked for
 

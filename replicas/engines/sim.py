@@ -11,7 +11,9 @@ engine); only the model's compute is replaced by sleeping for the time it would 
 ``prefill_tokens`` counts only the tokens actually computed, so reuse shortens the step:
 that is the effect the router exploits. ``speedup`` scales every cost (load tests run
 faster than real time). Sampled tokens are lowercase letters and spaces from a per-sequence
-generator (seeded by ``seed`` when given), so outputs are valid text and reproducible.
+generator (seeded by ``seed`` when given), so outputs are valid text and reproducible: the
+ids of those characters under the replica's tokenizer (``text_alphabet``), byte-level
+unless ``--tokenizer`` names another.
 """
 
 from __future__ import annotations
@@ -19,12 +21,37 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcache import CacheConfig, FullAttention
 
 from .base import Engine, StepItem
 
-_ALPHABET = [ord(c) for c in "abcdefghijklmnopqrstuvwxyz "]
+if TYPE_CHECKING:
+    from ..text import Tokenizer
+
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz "
+_BYTE_ALPHABET = [ord(c) for c in CHARACTERS]  # the byte-level tokenizer's ids
+
+
+def text_alphabet(tokenizer: Tokenizer) -> list[int]:
+    """For each of ``CHARACTERS`` that one token of ``tokenizer`` decodes to on its own, the
+    lowest such id that is no eos id, in ``CHARACTERS``' order (the byte-level tokenizer's
+    are the characters' bytes). ValueError when there is none at all."""
+    found: dict[str, int] = {}
+    eos = tokenizer.eos_token_ids
+    for i in range(tokenizer.vocab_size):
+        if i in eos:
+            continue
+        text = tokenizer.decode([i])
+        if text in CHARACTERS and len(text) == 1 and text not in found:
+            found[text] = i
+            if len(found) == len(CHARACTERS):
+                break
+    if not found:
+        raise ValueError(f"no token of tokenizer {tokenizer.name!r} decodes to a lowercase "
+                         "letter or a space: the sim engine cannot write text with it")
+    return [found[c] for c in CHARACTERS if c in found]
 
 
 @dataclass(frozen=True)
@@ -54,9 +81,13 @@ class SimEngine(Engine):
 
     name = "sim"
 
-    def __init__(self, timing: SimTiming | None = None, max_model_len: int = 32768) -> None:
+    def __init__(self, timing: SimTiming | None = None, max_model_len: int = 32768,
+                 alphabet: list[int] | None = None) -> None:
+        """``alphabet``: the token ids it samples (``text_alphabet`` of the replica's
+        tokenizer); default the byte-level tokenizer's."""
         self.timing = timing or SimTiming()
         self._max_model_len = max_model_len
+        self.alphabet = list(alphabet) if alphabet is not None else _BYTE_ALPHABET
 
     def cache_config(self, num_pages: int, tokens_per_block: int,
                      enable_partial_reuse: bool) -> CacheConfig:
@@ -74,13 +105,12 @@ class SimEngine(Engine):
         await asyncio.sleep(seconds)
         return [self._sample(it) if it.sample is not None else None for it in items]
 
-    @staticmethod
-    def _sample(item: StepItem) -> int:
+    def _sample(self, item: StepItem) -> int:
         rng = item.state.get("rng")
         if rng is None:
             seed = item.sample.seed if item.sample.seed is not None else item.seq_id
             rng = item.state["rng"] = random.Random(seed)
-        return rng.choice(_ALPHABET)
+        return rng.choice(self.alphabet)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -12,10 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from replicas.app import create_app
-from replicas.engines import SimEngine, SimTiming
+from replicas.engines import SimEngine, SimTiming, text_alphabet
+from replicas.engines.sim import CHARACTERS
 from replicas.service import ReplicaService
 from replicas.settings import ReplicaSettings, load_settings
 from replicas.text import HFTokenizer, tokenizer_from_wire
+from replicas.tokenizer import ByteTokenizer
 
 from . import hf_checkpoints as ckpt
 
@@ -199,3 +201,26 @@ def test_render_gives_transformers_ids_as_vllm_answers_them(llama3):
     assert one["token_ids"] == theirs(REPLY)["input_ids"]  # with the bos, as transformers
     assert (one["stream"], one["sampling_params"]["stop"], one["model"]) == (
         True, ["."], "sim-tiny-llama3")
+
+
+def test_the_sim_engine_writes_text_in_the_replicas_tokenizer(llama3):
+    """Over a Hugging Face tokenizer the sim engine samples the ids of a-z and space in that
+    vocabulary (byte ids there are other tokens: lone high bytes, held back as incomplete
+    UTF-8), so a stream has one content chunk per token and the text is those letters."""
+    path, ours, theirs = llama3
+    alphabet = text_alphabet(ours)
+    assert [theirs.decode([i]) for i in alphabet] == list(CHARACTERS)
+    assert text_alphabet(ByteTokenizer()) == [ord(c) for c in CHARACTERS]
+    settings = ReplicaSettings(tokenizer=str(path), kv_pages=64, tokens_per_block=16,
+                               sim_speedup=100)
+    with TestClient(create_app(settings)) as client:
+        whole = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 24,
+                                                     "seed": 5}).json()
+        stream = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 24,
+                                                      "seed": 5, "stream": True}).text
+    text = whole["choices"][0]["text"]
+    assert len(text) == 24 and set(text) <= set(CHARACTERS)
+    assert whole["usage"]["completion_tokens"] == 24
+    pieces = [json.loads(line[6:])["choices"][0]["text"] for line in stream.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(pieces) == text and sum(1 for p in pieces if p) == 24
