@@ -54,6 +54,7 @@ bench-all: bench
 	$(PY) -m bench.probe_misses
 	$(PY) -m bench.faults
 	$(PY) -m bench.soak
+	$(PY) -m bench.aiperf
 	$(PY) -m loadtest compare --external sglang --out-dir artifacts/compare
 
 clean:
