@@ -120,10 +120,7 @@ def run_external(name: str, command: str | None, requests: list[Request],
                 restarted = _restart_later(workers, 0, restart_at, replica_args, log_dir)
                 result = run(requests, replace(config, url=gws[0].url, model=gws[0].model,
                                                more_urls=tuple(g.url for g in gws[1:])))
-                decisions: dict[str, float] = {}
-                for gw in gws:
-                    for outcome, n in gw.prefix_decisions().items():
-                        decisions[outcome] = decisions.get(outcome, 0.0) + n
+                decisions = _prefix_decisions(name, gws)
         else:
             if routers != 1 or restart_at is not None:
                 raise ValueError("--external-cmd runs one router, without restarts")
@@ -140,6 +137,22 @@ def run_external(name: str, command: str | None, requests: list[Request],
     finally:
         for w in workers:
             w.stop()
+
+
+def _prefix_decisions(name: str, gateways) -> dict[str, float]:
+    """The gateways' prefix-routing outcomes summed (empty where they count none); a
+    gateway whose metrics cannot be read is left out with a note, not the run."""
+    decisions: dict[str, float] = {}
+    for gw in gateways:
+        try:
+            counted = gw.prefix_decisions()
+        except (httpx.HTTPError, ValueError) as exc:
+            print(f"note: {name}'s metrics at {gw.metrics_url} could not be read ({exc!r}); "
+                  "its prefix-routing outcomes are not in the report", file=sys.stderr)
+            continue
+        for outcome, n in counted.items():
+            decisions[outcome] = decisions.get(outcome, 0.0) + n
+    return decisions
 
 
 def _run_command_router(command: str, urls: list[str], requests, config, log_dir: Path):

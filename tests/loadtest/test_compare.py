@@ -68,3 +68,26 @@ def test_cache_pressure_sizes_the_pools_from_the_working_set():
     # each prompt: BOS + 320 + 64 tokens = 385 -> 12 full blocks of 32, the first 10 shared
     # by its group (BOS + 320 = 321 tokens: 10 full blocks), 2 of its own
     assert working_set_blocks(reqs, 32) == 4 * 10 + 12 * 2
+
+
+class _Gateway:
+    def __init__(self, counted):
+        self.counted, self.metrics_url = counted, "http://127.0.0.1:9/metrics"
+
+    def prefix_decisions(self):
+        if isinstance(self.counted, Exception):
+            raise self.counted
+        return self.counted
+
+
+def test_peer_prefix_decisions_are_summed_and_unreadable_metrics_only_noted(capsys):
+    import httpx
+
+    from loadtest.compare import _prefix_decisions
+
+    gateways = [_Gateway({"prefix_hit": 3.0, "missing_tokens": 1.0}),
+                _Gateway(httpx.ConnectError("refused")), _Gateway({"prefix_hit": 2.0})]
+    assert _prefix_decisions("vllm-router", gateways) == {"prefix_hit": 5.0,
+                                                          "missing_tokens": 1.0}
+    err = capsys.readouterr().err
+    assert "vllm-router's metrics at http://127.0.0.1:9/metrics could not be read" in err

@@ -143,6 +143,8 @@ def test_cache_aware_keeps_a_prefix_on_one_replica(gateway, client):
     # Repeats go where the prefix went, so the replica reuses all but the last prompt token.
     for u in usages[1:]:
         assert u["prompt_tokens_details"]["cached_tokens"] == u["prompt_tokens"] - 1
+    # SGLang's gateway counts no prefix-routing outcomes (vLLM's router does): none to report
+    assert gateway.prefix_decisions() == {}
 
 
 def test_round_robin_uses_both_replicas(sglang_router_exe, replicas, client):
