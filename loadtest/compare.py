@@ -117,15 +117,20 @@ def run_external(name: str, command: str | None, requests: list[Request],
                 gws = [stack.enter_context(PEER_ROUTERS[name](urls, policy="cache_aware",
                                                               log_dir=log_dir))
                        for _ in range(routers)]
+                before = _prefix_decisions(name, gws)  # the readiness pings'
                 restarted = _restart_later(workers, 0, restart_at, replica_args, log_dir)
                 result = run(requests, replace(config, url=gws[0].url, model=gws[0].model,
-                                               more_urls=tuple(g.url for g in gws[1:])))
-                decisions = _prefix_decisions(name, gws)
+                                               more_urls=tuple(g.url for g in gws[1:]),
+                                               discover_replicas=False))
+                decisions = {k: n - before.get(k, 0.0)
+                             for k, n in _prefix_decisions(name, gws).items()}
+                decisions = {k: n for k, n in decisions.items() if n}
         else:
             if routers != 1 or restart_at is not None:
                 raise ValueError("--external-cmd runs one router, without restarts")
             restarted, decisions = {}, {}
-            result = _run_command_router(command, urls, requests, config, log_dir)
+            result = _run_command_router(command, urls, requests,
+                                         replace(config, discover_replicas=False), log_dir)
         doc = _finish(result, workers, restarted, window_s)
         if decisions:
             doc["peer_prefix_decisions"] = decisions

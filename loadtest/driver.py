@@ -62,6 +62,10 @@ class DriverConfig:
     # replicas): a request of a session always goes to the same one (hash of the session),
     # others go to each in turn, as a load balancer in front of them would send them
     more_urls: tuple[str, ...] = ()
+    # read our router's replica list from GET {url}/stats (the report counts replicas that
+    # got nothing); off for other routers, which may forward the GET to a worker as a
+    # request of its own (vLLM's router does, and counts a routing decision for it)
+    discover_replicas: bool = True
 
     def __post_init__(self) -> None:
         if self.rate is not None and self.rate <= 0:
@@ -158,7 +162,8 @@ async def run_load(requests: Sequence[Request], config: DriverConfig,
     async with aiohttp.ClientSession(connector=connector, timeout=timeout,
                                      headers=headers) as http:
         model = config.model or await fetch_model(http, config.url)
-        replicas = await discover_replicas(http, config.url)
+        replicas = (await discover_replicas(http, config.url)
+                    if config.discover_replicas else None)
         return await _Run(http, config, model, requests, progress, replicas).go()
 
 

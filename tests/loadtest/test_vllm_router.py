@@ -3,6 +3,8 @@ in front of our sim replicas: it routes completions, streamed and whole, to both
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import httpx
 
@@ -58,3 +60,20 @@ def test_vllm_routers_cache_aware_policy_tokenizes_through_our_render_endpoints(
                                  {"role": "user", "content": f"q{i}"}]})
                 assert r.status_code == 200, r.text
         assert gw.prefix_decisions() == {"prefix_miss": 4.0, "prefix_hit": 10.0}
+
+
+def test_compare_reports_the_vllm_routers_decisions_on_the_workload_alone(tmp_path):
+    """``loadtest compare --external vllm-router``: the peer's prefix-routing outcomes over
+    the run (its readiness ping left out, and no GET /stats sent through it, which it would
+    forward to a worker and count): 3 groups x 4 prompts, each group's first a miss."""
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest", "compare", "--groups", "3", "--prompts-per-group",
+         "4", "--system-len", "256", "--question-len", "32", "--output-len", "4",
+         "--replicas", "2", "--kv-pages", "64", "--policies", "", "--external", "vllm-router",
+         "--rate", "20", "--replica-args", "--sim-speedup 10", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "missing_tokens" not in out.stderr
+    run = json.loads((tmp_path / "compare.json").read_text())["runs"]["vllm-router"]
+    assert run["peer_prefix_decisions"] == {"prefix_hit": 9.0, "prefix_miss": 3.0}
+    assert run["summary"]["failed"] == 0
