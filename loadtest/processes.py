@@ -20,6 +20,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_ADDRESS_IN_USE = "address already in use"  # errno 98's text, in the server's log
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -29,10 +32,26 @@ def free_port() -> int:
 class ServerProcess:
     """A server process: ``python -m <module> --host 127.0.0.1 --port <free> ...``."""
 
+    # A port from free_port() is free when drawn, not when the server binds it: another
+    # process can take it in between. A server that exits on that gets a new port.
+    PORT_ATTEMPTS = 3
+
     def __init__(self, module: str, *args: str, env: dict[str, str] | None = None,
                  ready_path: str = "/ready", timeout: float = 60.0,
                  log_dir: Path | None = None, port: int | None = None) -> None:
-        self.port = port or free_port()
+        for attempt in range(1, self.PORT_ATTEMPTS + 1):
+            self._start(module, args, env, log_dir, port or free_port())
+            try:
+                self.wait_ready(ready_path, timeout)
+                return
+            except BaseException as exc:
+                self.stop()
+                taken = isinstance(exc, RuntimeError) and _ADDRESS_IN_USE in self.log()
+                if port is not None or not taken or attempt == self.PORT_ATTEMPTS:
+                    raise
+
+    def _start(self, module: str, args, env, log_dir: Path | None, port: int) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = (log_dir or ROOT / "artifacts") / f"{module}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,11 +60,6 @@ class ServerProcess:
                *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        try:
-            self.wait_ready(ready_path, timeout)
-        except BaseException:
-            self.stop()
-            raise
 
     def wait_ready(self, path: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -62,7 +76,8 @@ class ServerProcess:
         raise TimeoutError(f"{self.url}{path} not ready after {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def signal(self, sig: int) -> None:
