@@ -122,9 +122,8 @@ def run_external(name: str, command: str | None, requests: list[Request],
                 result = run(requests, replace(config, url=gws[0].url, model=gws[0].model,
                                                more_urls=tuple(g.url for g in gws[1:]),
                                                discover_replicas=False))
-                decisions = {k: n - before.get(k, 0.0)
-                             for k, n in _prefix_decisions(name, gws).items()}
-                decisions = {k: n for k, n in decisions.items() if n}
+                decisions = {k: d for k, n in _prefix_decisions(name, gws).items()
+                             if (d := n - before.get(k, 0.0))}
         else:
             if routers != 1 or restart_at is not None:
                 raise ValueError("--external-cmd runs one router, without restarts")

@@ -139,10 +139,14 @@ def create_app(settings: ReplicaSettings, service: ReplicaService | None = None)
     return hot
 
 
+def _request_id(request: Request) -> str:
+    """The caller's ``x-request-id`` (the router's), else a new one."""
+    return request.headers.get("x-request-id") or new_request_id()
+
+
 def _rendered(service: ReplicaService, request: Request, body: _GenerationParams,
               tokens_of: Callable[[_GenerationParams], list[int]], default_max: int) -> dict:
-    request_id = request.headers.get("x-request-id") or new_request_id()
-    return service.rendered(tokens_of(body), body, default_max, request_id)
+    return service.rendered(tokens_of(body), body, default_max, _request_id(request))
 
 
 def _json(content) -> Response:
@@ -171,7 +175,7 @@ async def _generate(service: ReplicaService, request: Request, body: _Generation
     """``tokens_of(body)`` gives the prompt's ids (or raises the APIError that refuses it):
     called inside the request's span, so that a refusal (an injected fault, a wrong model,
     a prompt the template or the limits refuse, a full queue) is traced too."""
-    request_id = request.headers.get("x-request-id") or new_request_id()
+    request_id = _request_id(request)
     tracing = service.tracing  # None: off
     span = None if tracing is None else tracing.completion(request.scope, request_id)
     try:

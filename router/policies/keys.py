@@ -77,10 +77,11 @@ def chain_keys(data: bytes, step: int, scope: str = "") -> tuple[int, ...]:
 
     Vectorised (a Python loop over 125 blocks of a 4k-token prompt cost ~35 us): each unit
     is hashed from its words (mixed, times a multiplier per position, summed), the chain is
-    ``K_j = K_(j-1) * P + h_j`` modulo 2**64 from ``K_-1 = _scope_seed(scope)``, computed for all ``j`` at
-    once as ``P**j * (P * K_-1 + cumsum(h_i * P**-i))``, and each ``K_j`` goes through a
-    bijective finaliser. Keys are 64-bit: equal prefixes give equal keys; different ones
-    collide with negligible probability (and a collision only skews an estimate).
+    ``K_j = K_(j-1) * P + h_j`` modulo 2**64 from ``K_-1 = _scope_seed(scope)``, computed
+    for all ``j`` at once as ``P**j * (P * K_-1 + cumsum(h_i * P**-i))``, and each ``K_j``
+    goes through a bijective finaliser. Keys are 64-bit: equal prefixes give equal keys;
+    different ones collide with negligible probability (and a collision only skews an
+    estimate).
     """
     n = len(data) // step
     if n == 0:
