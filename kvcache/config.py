@@ -52,7 +52,9 @@ class CacheConfig:
 
     Args:
         tokens_per_block: tokens per block (and per attention page).
-        num_pages: pages in each life cycle's pool.
+        num_pages: pages in each life cycle's pool: one count for every pool, or one per
+            life cycle (same order), e.g. ``(4096, 512, 64)``; ``pool_pages`` gives the
+            count of each.
         life_cycles: one entry per kind of layer; each gets its own pool. The order is
             the pool index used by ``KVCache.block_table`` and ``PageLayout`` lists.
         enable_partial_reuse: reuse the common prefix of a block a lookup diverges from
@@ -60,7 +62,7 @@ class CacheConfig:
     """
 
     tokens_per_block: int = 32
-    num_pages: int = 256
+    num_pages: int | tuple[int, ...] = 256
     life_cycles: tuple[LifeCycle, ...] = (FullAttention(),)
     enable_partial_reuse: bool = True
 
@@ -69,12 +71,21 @@ class CacheConfig:
             raise ValueError(
                 f"tokens_per_block must be an int >= 1, got {self.tokens_per_block!r}"
             )
-        if not isinstance(self.num_pages, int) or self.num_pages < 1:
-            raise ValueError(f"num_pages must be an int >= 1, got {self.num_pages!r}")
         life_cycles = tuple(self.life_cycles)
         object.__setattr__(self, "life_cycles", life_cycles)
         if not life_cycles:
             raise ValueError("life_cycles must name at least one life cycle")
+        counts = self.num_pages if isinstance(self.num_pages, (tuple, list)) else None
+        if counts is None:
+            if not _positive_int(self.num_pages):
+                raise ValueError(f"num_pages must be an int >= 1 (or one per life cycle), "
+                                 f"got {self.num_pages!r}")
+        else:
+            counts = tuple(counts)
+            object.__setattr__(self, "num_pages", counts)
+            if len(counts) != len(life_cycles) or not all(map(_positive_int, counts)):
+                raise ValueError(f"num_pages {counts!r} must give one int >= 1 per life cycle "
+                                 f"({len(life_cycles)}: {life_cycles!r})")
         for lc in life_cycles:
             if not isinstance(lc, _LIFE_CYCLE_TYPES):
                 raise ValueError(
@@ -86,9 +97,20 @@ class CacheConfig:
         if sum(isinstance(lc, Recurrent) for lc in life_cycles) > 1:
             raise ValueError("at most one Recurrent() life cycle is supported")
 
+    @property
+    def pool_pages(self) -> tuple[int, ...]:
+        """Pages of each life cycle's pool, in ``life_cycles``' order."""
+        if isinstance(self.num_pages, tuple):
+            return self.num_pages
+        return (self.num_pages,) * len(self.life_cycles)
+
     def sink_blocks(self, lc: SlidingWindow) -> int:
         """Blocks at the start that never leave ``lc``'s window."""
         return math.ceil(lc.sink_tokens / self.tokens_per_block)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)

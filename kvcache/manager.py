@@ -110,8 +110,8 @@ class KVCacheManager:
         self.config = config
         self.layout = PoolLayout.of(config)
         self._pools = [
-            PagePool(config.num_pages, layouts[i] if layouts else None)
-            for i in range(len(config.life_cycles))
+            PagePool(pages, layouts[i] if layouts else None)
+            for i, pages in enumerate(config.pool_pages)
         ]
         self._tree = BlockTree(self._pools, self.layout.full, self.layout.recurrent,
                                config.tokens_per_block)

@@ -143,7 +143,7 @@ class RefManager:
     def __init__(self, config: CacheConfig):
         self.config = config
         self.tpb = config.tokens_per_block
-        self.num_pages = config.num_pages
+        self.pool_pages = config.pool_pages
         self.life_cycles = tuple(config.life_cycles)
         self.attention_pools = [
             i for i, lc in enumerate(self.life_cycles) if not isinstance(lc, Recurrent)
@@ -153,7 +153,7 @@ class RefManager:
         full = [i for i, lc in enumerate(self.life_cycles) if isinstance(lc, FullAttention)]
         self.full_pool = full[0] if full else None
         self.blocks: dict = {}
-        self.free = [self.num_pages] * len(self.life_cycles)
+        self.free = list(self.pool_pages)
         self.open: list = []
         self._seq = 0
         self._tick = 0
@@ -236,7 +236,7 @@ class RefManager:
                 used[self.rec_pool] += 1
         out = []
         for i in range(len(self.life_cycles)):
-            assert self.free[i] + used[i] + cached[i] == self.num_pages, (
+            assert self.free[i] + used[i] + cached[i] == self.pool_pages[i], (
                 f"reference lost pages in pool {i}: free {self.free[i]} used {used[i]} "
                 f"cached {cached[i]}"
             )
@@ -246,10 +246,10 @@ class RefManager:
 
     def stats(self) -> RefStats:
         counts = self.pool_counts()
-        pools = tuple(RefPoolStats(self.num_pages, f, u, c, e)
-                      for (f, u, c), e in zip(counts, self.evicted_pages))
+        pools = tuple(RefPoolStats(n, f, u, c, e)
+                      for n, (f, u, c), e in zip(self.pool_pages, counts, self.evicted_pages))
         return RefStats(
-            num_pages=self.num_pages * len(pools),
+            num_pages=sum(self.pool_pages),
             free_pages=sum(p.free_pages for p in pools),
             used_pages=sum(p.used_pages for p in pools),
             cached_pages=sum(p.cached_pages for p in pools),

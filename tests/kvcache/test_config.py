@@ -55,3 +55,37 @@ def test_scope_must_be_a_reuse_scope():
     with pytest.raises(TypeError, match="ReuseScope"):
         KVCacheManager(CacheConfig()).probe_reuse([1, 2], scope="tenant-a")
     assert ReuseScope() == ReuseScope(None, None)
+
+
+@pytest.mark.parametrize("num_pages, message", [
+    ((4, 4), "one int >= 1 per life cycle"),
+    ((4, 0, 4), "one int >= 1 per life cycle"),
+    ((4, True, 4), "one int >= 1 per life cycle"),
+    (True, "num_pages must be an int >= 1"),
+])
+def test_a_page_count_per_life_cycle_is_checked(num_pages, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(num_pages=num_pages,
+                    life_cycles=(FullAttention(), SlidingWindow(16), Recurrent()))
+
+
+def test_each_pool_gets_its_own_page_count():
+    life = (FullAttention(), SlidingWindow(16), Recurrent())
+    assert CacheConfig(num_pages=7, life_cycles=life).pool_pages == (7, 7, 7)
+    cfg = CacheConfig(tokens_per_block=4, num_pages=[12, 5, 3], life_cycles=life)
+    assert cfg.num_pages == (12, 5, 3) and cfg.pool_pages == (12, 5, 3)
+    mgr = KVCacheManager(cfg)
+    stats = mgr.stats()
+    assert [p.num_pages for p in stats.pools] == [12, 5, 3]
+    assert (stats.num_pages, stats.free_pages) == (20, 20)
+    # 3 blocks: 3 full pages, the window's 16 + 1 tokens span 3 blocks too, 1 live state
+    cache = mgr.create_kv_cache(list(range(12)))
+    assert cache.resize(12)
+    assert [p.free_pages for p in mgr.stats().pools] == [9, 2, 2]
+    # a second cache of 12 tokens fits the full pool but not the 5-page window pool
+    other = mgr.create_kv_cache(list(range(100, 112)))
+    assert not other.resize(12)
+    assert [p.free_pages for p in mgr.stats().pools] == [9, 2, 2]
+    cache.close()
+    other.close()
+    mgr.check_invariants()

@@ -96,8 +96,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.targets: list[tuple[list[int], object]] = []
 
     # ------------------------------------------------------------------ set-up
-    @initialize(tpb=st.integers(2, 4), num_pages=st.sampled_from([2, 3, 4]) | st.integers(3, 12))
-    def setup(self, tpb: int, num_pages: int) -> None:
+    @initialize(tpb=st.integers(2, 4), num_pages=st.sampled_from([2, 3, 4]) | st.integers(3, 12),
+                per_pool=st.lists(st.integers(2, 12), min_size=4, max_size=4) | st.none())
+    def setup(self, tpb: int, num_pages: int, per_pool: list[int] | None) -> None:
+        # one count for every pool, or a count of its own per pool (as engines size them)
+        if per_pool is not None:
+            num_pages = tuple(per_pool[:len(self.LIFE_CYCLES)])
         self.cfg = CacheConfig(
             tokens_per_block=tpb,
             num_pages=num_pages,
@@ -394,8 +398,8 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _check_pages(self) -> None:
         """Block tables name the pages the reference says they share, and no others."""
-        n = self.cfg.num_pages
         for i in self.attention:
+            n = self.cfg.pool_pages[i]
             page_owner: dict = {}  # page -> (what the reference says it is, block index)
             owner_page: dict = {}
             for k, pair in enumerate(self.open_pairs()):
@@ -425,7 +429,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 page = pair.real.live_state_page(i)
                 assert (page is not None) == pair.ref.live
                 if page is not None:
-                    assert 0 <= page < n
+                    assert 0 <= page < self.cfg.pool_pages[i]
                     assert live.setdefault(page, k) == k, "two caches share a live page"
 
 
