@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_keep_alive=settings.keepalive_s,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings, app.state.service)
-    log.info("replica %s (%s engine, %d KV pages of %d tokens) on http://%s:%d",
+    log.info("replica %s (%s engine, KV pages %s of %d tokens) on http://%s:%d",
              app.state.service.model_id, settings.engine,
-             app.state.service.manager.config.num_pages, settings.tokens_per_block,
+             "/".join(map(str, app.state.service.manager.config.pool_pages)),
+             settings.tokens_per_block,
              settings.host, settings.port)
     server.run()
     return 0

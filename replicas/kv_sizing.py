@@ -1,16 +1,23 @@
-"""How many KV pages a replica reserves: ``--kv-pages``, or a share of the device's memory.
+"""How many KV pages a replica reserves in each pool: ``--kv-pages``, or a share of memory.
 
-Every life cycle's pool has the same number of pages (``CacheConfig.num_pages``), so one
-"page index" costs the sum of one page of every pool. With ``--kv-pages`` unset:
+A model has a pool per life cycle (full attention, each sliding window, recurrent), each
+with pages of its own size: an attention page holds one block of K/V of the pool's layers,
+a recurrent page one sequence's states of every recurrent layer (a live state or a
+snapshot), which can weigh as much as dozens of blocks. So each pool gets its own count:
 
-- on CUDA, as vLLM's ``gpu_memory_utilization``: the replica may use ``kv_memory_fraction``
-  (default 0.9) of the device's total memory; what is in use once the weights are loaded
-  (weights, the CUDA context, anything else on the device) is subtracted, and the rest,
-  less a reserve for activations, goes to the KV pools;
-- on the CPU, only when ``--kv-memory-fraction`` is given: that share of the memory the
-  kernel reports available (``MemAvailable``); otherwise ``DEFAULT_PAGES`` (a CPU replica
-  is usually a test or a demo next to other processes);
-- engines without page storage (``sim``): ``DEFAULT_PAGES``.
+- ``--kv-pages N``: N pages in every pool; ``--kv-pages 4096,512,64``: one count per pool,
+  in the order the start-up log names them (full, sliding windows smallest first,
+  recurrent);
+- unset, from a byte budget: on CUDA, as vLLM's ``gpu_memory_utilization``, the replica may
+  use ``kv_memory_fraction`` (default 0.9) of the device's total memory; what is in use
+  once the weights are loaded is subtracted, and the rest, less a reserve for activations,
+  goes to the pools. On the CPU only when ``--kv-memory-fraction`` is given (a share of
+  ``MemAvailable``); otherwise ``DEFAULT_PAGES`` in every pool (a CPU replica is usually a
+  test or a demo next to other processes). The budget is split so that every attention
+  pool has the same number of pages (a cached block keeps a page in each), and the
+  recurrent pool, when there is one beside them, ``RECURRENT_SHARE`` of the bytes (at least
+  ``2 * max_num_seqs`` pages: a live state per running sequence, and as many snapshots);
+- engines without page storage (``sim``): ``DEFAULT_PAGES`` (or ``--kv-pages``) per pool.
 """
 
 from __future__ import annotations
@@ -24,42 +31,61 @@ log = logging.getLogger("replicas.kv")
 DEFAULT_PAGES = 256
 DEFAULT_CUDA_FRACTION = 0.9
 ACTIVATION_RESERVE_BYTES = 1 << 30  # left free on CUDA for activations and the allocator
+RECURRENT_SHARE = 0.25  # of the KV budget, for live states and snapshots beside attention
 
 
 @dataclass(frozen=True)
 class KVPlan:
-    num_pages: int
+    num_pages: int | tuple[int, ...]  # every pool's, or one per pool
     bytes_per_page: int  # one page of every pool (0: bookkeeping only)
     source: str  # how num_pages was chosen, for the log
+    pool_bytes: tuple[int, ...] = ()  # one page of each pool
 
-    def describe(self, tokens_per_block: int, num_pools: int) -> str:
-        total = self.num_pages * self.bytes_per_page
-        return (f"KV cache: {self.num_pages} pages in each of {num_pools} pools "
-                f"({self.num_pages * tokens_per_block} tokens per pool, {total / 2**20:.1f} "
-                f"MiB reserved; {self.source})")
+    def pages(self, num_pools: int) -> tuple[int, ...]:
+        if isinstance(self.num_pages, tuple):
+            return self.num_pages
+        return (self.num_pages,) * num_pools
+
+    def describe(self, tokens_per_block: int, num_pools: int,
+                 names: list[str] | None = None) -> str:
+        pages = self.pages(num_pools)
+        if self.pool_bytes:
+            total = sum(n * b for n, b in zip(pages, self.pool_bytes))
+        else:
+            total = pages[0] * self.bytes_per_page if len(set(pages)) == 1 else 0
+        if isinstance(self.num_pages, int):
+            what = (f"{self.num_pages} pages in each of {num_pools} pools "
+                    f"({self.num_pages * tokens_per_block} tokens per pool")
+        else:
+            names = names or [f"pool {i}" for i in range(num_pools)]
+            what = ", ".join(f"{name} {n}" for name, n in zip(names, pages)) + " pages ("
+            what += f"{tokens_per_block} tokens per attention page"
+        return f"KV cache: {what}, {total / 2**20:.1f} MiB reserved; {self.source})"
 
 
 def page_bytes(layouts) -> int:
     """Bytes of one page of every pool (``PageLayout`` list from the engine)."""
+    return sum(_layout_bytes(layout) for layout in layouts)
+
+
+def _layout_bytes(layout) -> int:
     import torch
 
-    total = 0
-    for layout in layouts:
-        dtype = getattr(torch, layout.dtype) if isinstance(layout.dtype, str) else layout.dtype
-        total += math.prod(layout.shape) * torch.empty((), dtype=dtype).element_size()
-    return total
+    dtype = getattr(torch, layout.dtype) if isinstance(layout.dtype, str) else layout.dtype
+    return math.prod(layout.shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def plan_kv_pages(settings, engine) -> KVPlan:
-    """The pages per pool to reserve for ``engine`` under ``settings``."""
+    """The pages of each pool to reserve for ``engine`` under ``settings``."""
     layouts = _layouts(settings, engine)
-    per_page = page_bytes(layouts) if layouts else 0
+    sizes = tuple(_layout_bytes(layout) for layout in layouts) if layouts else ()
+    per_page = sum(sizes)
     if settings.kv_pages is not None:
-        return KVPlan(settings.kv_pages, per_page, "--kv-pages")
+        return KVPlan(_explicit(settings.kv_pages), per_page, "--kv-pages", sizes)
     device = getattr(engine, "device", None)
     fraction = settings.kv_memory_fraction
     if not per_page or device is None:
-        return KVPlan(DEFAULT_PAGES, per_page, "default for this engine")
+        return KVPlan(DEFAULT_PAGES, per_page, "default for this engine", sizes)
     if device.type == "cuda":
         budget = _cuda_budget(device, fraction or DEFAULT_CUDA_FRACTION)
         source = f"{fraction or DEFAULT_CUDA_FRACTION:.2f} of the GPU's memory"
@@ -68,13 +94,34 @@ def plan_kv_pages(settings, engine) -> KVPlan:
         source = f"{fraction:.2f} of the available host memory"
     else:
         return KVPlan(DEFAULT_PAGES, per_page, "default on the CPU; set --kv-pages or "
-                      "--kv-memory-fraction for more")
-    pages = budget // per_page
-    if pages < 1:
+                      "--kv-memory-fraction for more", sizes)
+    kinds = list(getattr(engine, "kinds", ())) or ["full"] * len(sizes)
+    return KVPlan(_split(budget, sizes, kinds, settings.max_num_seqs, source), per_page,
+                  source, sizes)
+
+
+def _explicit(kv_pages: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    return kv_pages if isinstance(kv_pages, int) else tuple(kv_pages)
+
+
+def _split(budget: int, sizes: tuple[int, ...], kinds: list[str], max_num_seqs: int,
+           source: str) -> int | tuple[int, ...]:
+    """Pages per pool from ``budget`` bytes: attention pools alike, the recurrent pool its
+    share (see the module's docstring)."""
+    attention = sum(size for size, kind in zip(sizes, kinds) if kind != "recurrent")
+    recurrent = sum(size for size, kind in zip(sizes, kinds) if kind == "recurrent")
+    states = 0
+    if recurrent:
+        share = budget * RECURRENT_SHARE if attention else budget
+        states = max(2 * max_num_seqs, int(share // recurrent))
+    pages = (budget - states * recurrent) // attention if attention else states
+    if pages < 1 or (recurrent and budget < states * recurrent + attention):
         raise ValueError(f"no memory left for the KV cache: {budget / 2**20:.0f} MiB for "
-                         f"pages of {per_page / 2**20:.2f} MiB ({source}); raise "
+                         f"pages of {sum(sizes) / 2**20:.2f} MiB ({source}); raise "
                          "--kv-memory-fraction or give --kv-pages")
-    return KVPlan(int(pages), per_page, source)
+    if not recurrent:
+        return int(pages)
+    return tuple(states if kind == "recurrent" else int(pages) for kind in kinds)
 
 
 def _layouts(settings, engine):

@@ -19,8 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from replicas.models.base import LAYER_KINDS, MixerContext, Paging
+from replicas.models.base import (AttentionSpec, MixerContext, ModelSpec, RecurrentSpec,
+                                  StateSpec)
 from replicas.tokenizer import VOCAB_SIZE
+
+
+TINY_LAYER_KINDS = ("full", "sliding", "recurrent")
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
-        bad = [k for k in self.layers if k not in LAYER_KINDS]
+        bad = [k for k in self.layers if k not in TINY_LAYER_KINDS]
         if not self.layers or bad:
-            raise ValueError(f"layers must be a non-empty tuple of {LAYER_KINDS}, got {bad}")
+            raise ValueError(f"layers must be a non-empty tuple of {TINY_LAYER_KINDS}, got {bad}")
         if self.d_model % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError("d_model must divide by n_heads, and n_heads by n_kv_heads")
         if self.head_dim % 2:
@@ -62,12 +66,15 @@ class ModelConfig:
         """Indices of the layers of ``kind``, bottom first."""
         return tuple(i for i, k in enumerate(self.layers) if k == kind)
 
-    def paging(self) -> Paging:
-        return Paging(layers=self.layers,
-                      windows=tuple(self.window if k == "sliding" else None for k in self.layers),
-                      n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
-                      max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                      state_dim=self.d_model)
+    def spec(self) -> ModelSpec:
+        """Attention layers cache K/V (a window for ``sliding``); a recurrent layer keeps
+        its state ``h`` of ``d_model`` floats."""
+        def layer(kind: str):
+            if kind == "recurrent":
+                return RecurrentSpec((StateSpec("h", (self.d_model,)),))
+            return AttentionSpec(self.n_kv_heads, self.head_dim,
+                                 window=self.window if kind == "sliding" else None)
+        return ModelSpec(tuple(map(layer, self.layers)), self.max_model_len, self.vocab_size)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -175,8 +182,11 @@ class Recurrence(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, ctx: MixerContext) -> Tensor:
         z = self.w_a(x)
-        states = ctx.recur(self.layer, F.logsigmoid(z), torch.sigmoid(-z) * self.w_u(x))
-        return self.w_o(states * F.silu(self.w_g(x)))
+        log_a, b = F.logsigmoid(z), torch.sigmoid(-z) * self.w_u(x)
+        h0 = ctx.read_states(self.layer)["h"]
+        states = [linear_scan(log_a[a:e], b[a:e], h0[i]) for i, (a, e) in enumerate(ctx.bounds)]
+        ctx.write_states(self.layer, {"h": torch.stack([s[-1] for s in states])})
+        return self.w_o(torch.cat(states) * F.silu(self.w_g(x)))
 
 
 class Block(nn.Module):
@@ -202,7 +212,7 @@ class TinyLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg, self.paging = cfg, cfg.paging()
+        self.cfg, self.spec = cfg, cfg.spec()
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(len(cfg.layers)))
         self.norm = nn.Parameter(torch.ones(cfg.d_model))
@@ -257,13 +267,17 @@ class DenseContext:
 
     def __init__(self, cfg: ModelConfig, positions: Tensor) -> None:
         self.cfg, self.positions = cfg, positions
+        self.bounds = [(0, len(positions))]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sinks=None) -> Tensor:
         window = self.cfg.window if self.cfg.layers[layer] == "sliding" else None
         return attention(q, k, v, self.positions, self.positions, window)
 
-    def recur(self, layer: int, log_a: Tensor, b: Tensor) -> Tensor:
-        return linear_scan(log_a, b, b.new_zeros(b.shape[1]))
+    def read_states(self, layer: int) -> dict[str, Tensor]:
+        return {"h": torch.zeros(1, self.cfg.d_model, device=self.positions.device)}
+
+    def write_states(self, layer: int, states: dict[str, Tensor]) -> None:
+        pass  # one sequence from scratch: nothing to carry
 
 
 @torch.inference_mode()

@@ -66,7 +66,8 @@ class ReplicaService:
         cfg = self.engine.cache_config(plan.num_pages, settings.tokens_per_block,
                                        settings.enable_partial_reuse)
         self.manager = KVCacheManager(cfg, self.engine.page_layouts())
-        log.info("%s", plan.describe(cfg.tokens_per_block, len(cfg.life_cycles)))
+        names = self.engine.pool_names() if hasattr(self.engine, "pool_names") else None
+        log.info("%s", plan.describe(cfg.tokens_per_block, len(cfg.life_cycles), names))
         self.engine.bind(self.manager)
         self.model_id = settings.served_model_name or _default_model_id(settings,
                                                                          self.engine.name)
@@ -259,10 +260,15 @@ class ReplicaService:
         return ids
 
     def _check_fits_pool(self, total_tokens: int) -> None:
-        blocks = math.ceil(total_tokens / self.manager.config.tokens_per_block)
-        if blocks > self.manager.config.num_pages:
+        """A sequence holds a page of every block in the full-attention pool (a window
+        pool needs fewer): refuse what could never fit, rather than queue it forever."""
+        cfg = self.manager.config
+        full = self.manager.layout.full
+        pages = cfg.pool_pages[full] if full is not None else max(cfg.pool_pages)
+        blocks = math.ceil(total_tokens / cfg.tokens_per_block)
+        if blocks > pages:
             raise APIError(400, f"prompt + max_tokens ({total_tokens} tokens) needs {blocks} "
-                           f"KV pages but this replica has {self.manager.config.num_pages}",
+                           f"KV pages but this replica has {pages}",
                            param="max_tokens", code="context_length_exceeded")
 
     def _encode(self, text: str) -> list[int]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from wire.settings import merge_settings, settings_from_argv
 
@@ -31,7 +31,9 @@ class ReplicaSettings(BaseSettings):
     # sim, a sim replica that tokenizes and renders chats as that model does.
     tokenizer: Optional[str] = None
     # KV cache
-    kv_pages: Optional[int] = Field(default=None, ge=1)  # per pool; unset: replicas/kv_sizing.py
+    # pages in every pool (N), or one count per pool (full,sliding...,recurrent: "4096,512,64");
+    # unset: sized from memory (replicas/kv_sizing.py)
+    kv_pages: Annotated[Optional[Union[int, tuple[int, ...]]], NoDecode] = None
     kv_memory_fraction: Optional[float] = Field(default=None, gt=0, le=1)
     tokens_per_block: int = Field(default=32, ge=1)
     enable_partial_reuse: bool = True
@@ -69,6 +71,26 @@ class ReplicaSettings(BaseSettings):
     # the otel extra (pip install prefix-router[otel])
     otel_endpoint: Optional[str] = None
     log_level: str = "info"
+
+
+    @field_validator("kv_pages", mode="before")
+    @classmethod
+    def _page_counts(cls, value: Any) -> Any:
+        """``N`` or ``"N"`` -> N; ``"4096,512,64"`` (a list in YAML) -> a tuple of them."""
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = (value,)
+        elif isinstance(value, str):
+            try:
+                value = tuple(int(part) for part in value.split(","))
+            except ValueError:
+                raise ValueError(f"kv_pages {value!r}: give a page count (256) or one per "
+                                 "pool, comma-separated (4096,512,64)") from None
+        if not isinstance(value, (list, tuple)) or not value or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
+            raise ValueError(f"kv_pages {value!r}: page counts must be ints >= 1")
+        return value[0] if len(value) == 1 else tuple(value)
 
 
 def _check_engine_fields(settings: ReplicaSettings) -> ReplicaSettings:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from replicas.engines.base import StepItem
-from replicas.model import linear_scan
+from replicas.models.base import AttentionSpec, RecurrentSpec
 
 if TYPE_CHECKING:
     from replicas.engines.torch_engine import TorchEngine
@@ -135,7 +135,7 @@ def _plan_seq(engine: TorchEngine, item: StepItem, attention: list[int],
 
 
 def _attend_decodes(store: Tensor, slot: int, tpb: int, q: Tensor, pages: Tensor,
-                    visible: Tensor) -> Tensor:
+                    visible: Tensor, spec: AttentionSpec, sinks: Tensor | None) -> Tensor:
     """One batched attention for one-token items: q ``[D, H, hd]``, their read pages
     padded to one width ``[D, P]``, ``visible [D, 1, 1, P*tpb]`` -> ``[D, H, hd]``."""
     # index_select on the layer's K (V) view: ~5x faster on the CPU than advanced indexing
@@ -146,8 +146,29 @@ def _attend_decodes(store: Tensor, slot: int, tpb: int, q: Tensor, pages: Tensor
             .view(d, width * tpb, *store.shape[-2:]).transpose(1, 2))  # [D, KV, S, hd]
     values = (torch.index_select(store[:, slot, 1], 0, flat)
               .view(d, width * tpb, *store.shape[-2:]).transpose(1, 2))
-    return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
-                                          enable_gqa=True)[:, :, 0]
+    return attention(q[:, :, None], keys, values, visible, spec, sinks)[:, :, 0]
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, spec: AttentionSpec,
+              sinks: Tensor | None) -> Tensor:
+    """Softmax attention ``[B, H, n, hd]`` over ``k``/``v [B, KV, m, hd]``: SDPA, or with
+    learned sinks (a logit per head in every softmax's denominator, with no value) the
+    same in plain ops. ``mask``: bool ``[.., n, m]`` or ``_CAUSAL``."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask is _CAUSAL else mask, is_causal=mask is _CAUSAL,
+            scale=spec.softmax_scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * spec.softmax_scale
+    if mask is _CAUSAL:
+        n, m = scores.shape[-2:]
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return (probs.to(v.dtype) @ v)
 
 
 _CAUSAL = torch.empty(0)  # marks a mask that is plain causal (SDPA's is_causal)
@@ -160,10 +181,13 @@ class PagedContext:
     def __init__(self, engine: TorchEngine, batch: Batch) -> None:
         self._engine, self._batch = engine, batch
         ends = list(itertools.accumulate(s.length for s in batch.seqs))
-        self._bounds = list(zip([0, *ends[:-1]], ends))
+        self.bounds = list(zip([0, *ends[:-1]], ends))
         self._masks: dict[int, list[Tensor | None]] = {}
+        self._live: Tensor | None = None
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               sinks: Tensor | None = None) -> Tensor:
+        spec = self._engine.spec.layers[layer]
         pool, slot = self._engine.slots[layer]
         store = self._engine.storage[pool]
         read_pages, tpb = self._batch.read_pages[pool], self._engine.tokens_per_block
@@ -175,12 +199,12 @@ class PagedContext:
         decode = self._batch.decode[pool] if self._batch.decode else None
         if decode is not None and len(decode[0]) == q.shape[0]:  # every item decodes
             _, pages, visible = decode
-            return _attend_decodes(store, slot, tpb, q, pages, visible)
+            return _attend_decodes(store, slot, tpb, q, pages, visible, spec, sinks)
         out = torch.empty_like(q)
         if decode is not None:
             rows, pages, visible = decode
-            out[rows] = _attend_decodes(store, slot, tpb, q[rows], pages, visible)
-        for (a, e), seq, mask in zip(self._bounds, self._batch.seqs, masks):
+            out[rows] = _attend_decodes(store, slot, tpb, q[rows], pages, visible, spec, sinks)
+        for (a, e), seq, mask in zip(self.bounds, self._batch.seqs, masks):
             if decode is not None and seq.length == 1:
                 continue  # attended above, with the other one-token items
             lo, first, last = seq.reads[pool]
@@ -190,10 +214,9 @@ class PagedContext:
             values = torch.index_select(store[:, slot, 1], 0, read).flatten(0, 1)[skip:skip + m]
             # 4-D [1, heads, tokens, hd]: with 3-D inputs and a mask, CPU SDPA falls back to
             # its math kernel (~3x slower for a 2k-token prefill).
-            out[a:e] = F.scaled_dot_product_attention(
-                q[a:e].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None], attn_mask=None if mask is _CAUSAL else mask,
-                is_causal=mask is _CAUSAL, enable_gqa=True)[0].transpose(0, 1)
+            out[a:e] = attention(q[a:e].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                 values.transpose(0, 1)[None], mask, spec,
+                                 sinks)[0].transpose(0, 1)
         return out
 
     def _build_masks(self, pool: int) -> list[Tensor | None]:
@@ -201,7 +224,7 @@ class PagedContext:
         and, in a window W, ``lo+j > start+i-W``. None for a single query (sees them all)."""
         window, masks = self._engine.windows[pool], []
         device = self._batch.positions.device
-        for (a, e), seq in zip(self._bounds, self._batch.seqs):
+        for (a, e), seq in zip(self.bounds, self._batch.seqs):
             if seq.length == 1:
                 masks.append(None)
                 continue
@@ -218,11 +241,28 @@ class PagedContext:
         self._masks[pool] = masks
         return masks
 
-    def recur(self, layer: int, log_a: Tensor, b: Tensor) -> Tensor:
+    def read_states(self, layer: int) -> dict[str, Tensor]:
         pool, slot = self._engine.slots[layer]
-        store, out = self._engine.storage[pool], []
-        for (a, e), seq in zip(self._bounds, self._batch.seqs):
-            states = linear_scan(log_a[a:e], b[a:e], store[seq.live_page, slot])
-            store[seq.live_page, slot] = states[-1]
-            out.append(states)
-        return torch.cat(out)
+        spec: RecurrentSpec = self._engine.pool_specs[pool]
+        rows = self._engine.storage[pool][self._live_pages(), slot]  # [B, numel], a copy
+        out, offset = {}, 0
+        for state in spec.states:
+            out[state.name] = rows[:, offset:offset + state.numel].view(-1, *state.shape)
+            offset += state.numel
+        return out
+
+    def write_states(self, layer: int, states: dict[str, Tensor]) -> None:
+        pool, slot = self._engine.slots[layer]
+        spec: RecurrentSpec = self._engine.pool_specs[pool]
+        if set(states) != {s.name for s in spec.states}:
+            raise ValueError(f"layer {layer}: write_states got {sorted(states)}, its spec "
+                             f"has {[s.name for s in spec.states]}")
+        rows = torch.cat([states[s.name].reshape(len(self.bounds), s.numel).float()
+                          for s in spec.states], dim=1)
+        self._engine.storage[pool][:, slot].index_copy_(0, self._live_pages(), rows)
+
+    def _live_pages(self) -> Tensor:
+        if self._live is None:
+            self._live = torch.tensor([seq.live_page for seq in self._batch.seqs],
+                                      dtype=torch.long, device=self._engine.device)
+        return self._live

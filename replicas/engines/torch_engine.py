@@ -1,13 +1,15 @@
 """TorchEngine: a transformer computing on the KV-cache manager's pages.
 
-The model is a ``PagedLM`` (``replicas.models.base``): a seeded preset (``replicas.model``,
+The model is a ``PagedLM`` (``replicas.models.base``) that declares its layers as specs: a
+seeded preset (``replicas.model``,
 ``TorchEngine.from_preset``) or a Hugging Face checkpoint (``replicas.models``,
 ``TorchEngine.from_checkpoint``). One pool per kind of layer the model has, in the order
-full, sliding (one pool per window size), recurrent; a page holds that pool's layers
-together, in the model's dtype, on its device::
+full, sliding (one pool per window size), recurrent (MLP-only layers have none); a page holds
+that pool's layers together, on the model's device::
 
     full / sliding page:  [n_layers_of_pool, 2 (K, V), tokens_per_block, n_kv_heads, head_dim]
-    recurrent page:       [n_recurrent_layers, state_dim]   (a live state, or a snapshot)
+    recurrent page:       [n_recurrent_layers, sum of the layer's state sizes] float32
+                          (a live state, or a snapshot; each StateSpec a slice of the row)
 
 Keys are stored after RoPE, at their absolute positions. A step has two halves:
 
@@ -45,7 +47,8 @@ from torch import Tensor
 from kvcache import CacheConfig, FullAttention, PageLayout, Recurrent, SlidingWindow
 from replicas.engines.base import Engine, SamplingParams, StepItem
 from replicas.engines.paged import Batch, PagedContext, plan_batch
-from replicas.models.base import LAYER_KINDS, PagedLM
+from replicas.models.base import (LAYER_KINDS, AttentionSpec, LayerSpec, ModelSpec, PagedLM,
+                                  RecurrentSpec)
 
 # Prefill rate before any measurement: an assumed arithmetic rate over 2 FLOPs/parameter.
 _ASSUMED_FLOPS = {"cpu": 1.5e10, "cuda": 2e12}
@@ -60,18 +63,18 @@ class TorchEngine(Engine):
 
     def __init__(self, model: PagedLM, info: dict | None = None) -> None:
         self.model, self.info = model, dict(info or {})
-        self.paging = model.paging
+        self.spec = model.spec
         self.device = next(model.parameters()).device
         self.num_parameters = sum(p.numel() for p in model.parameters())
-        pools = sorted(set(zip(self.paging.layers, self.paging.windows)),
-                       key=lambda pool: (LAYER_KINDS.index(pool[0]), pool[1] or 0))
+        pools = _pools(self.spec)
         self.kinds = tuple(kind for kind, _ in pools)  # per pool
         self.windows = tuple(window for _, window in pools)  # per pool: None unless sliding
         self.pool_layers = tuple(
-            tuple(i for i, layer in enumerate(zip(self.paging.layers, self.paging.windows))
-                  if layer == pool) for pool in pools)
+            tuple(i for i, spec in enumerate(self.spec.layers) if _pool_key(spec) == pool)
+            for pool in pools)
         self.slots = {layer: (pool, slot) for pool, layers in enumerate(self.pool_layers)
                       for slot, layer in enumerate(layers)}
+        self.pool_specs = tuple(_pool_spec(self.spec, layers) for layers in self.pool_layers)
         self.tokens_per_block: int | None = None
         self.storage: dict[int, Tensor] | None = None
         flops = _ASSUMED_FLOPS.get(self.device.type, _ASSUMED_FLOPS["cpu"])
@@ -107,6 +110,9 @@ class TorchEngine(Engine):
                      enable_partial_reuse: bool) -> CacheConfig:
         life = {"full": lambda w: FullAttention(), "sliding": lambda w: SlidingWindow(window=w),
                 "recurrent": lambda w: Recurrent()}
+        if isinstance(num_pages, (tuple, list)) and len(num_pages) != len(self.kinds):
+            raise ValueError(f"{len(num_pages)} page counts for this model's {len(self.kinds)} "
+                             f"pools ({', '.join(self.pool_names())}); give one per pool")
         self.tokens_per_block = tokens_per_block
         # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes)
         self.page_rows = tuple(None if kind == "recurrent" else len(layers) * 2 * tokens_per_block
@@ -121,15 +127,20 @@ class TorchEngine(Engine):
         if self.tokens_per_block is None:
             raise RuntimeError("call cache_config() before page_layouts(): an attention "
                                "page's shape includes tokens_per_block")
-        p, layouts = self.paging, []
-        for kind, layers in zip(self.kinds, self.pool_layers):
-            if kind == "recurrent":
-                layouts.append(PageLayout((len(layers), p.state_dim), "float32",
+        layouts = []
+        for spec, layers in zip(self.pool_specs, self.pool_layers):
+            if isinstance(spec, RecurrentSpec):  # a row of float32 per layer: its states
+                layouts.append(PageLayout((len(layers), spec.numel), "float32",
                                           str(self.device)))
             else:
-                shape = (len(layers), 2, self.tokens_per_block, p.n_kv_heads, p.head_dim)
-                layouts.append(PageLayout(shape, _dtype_name(p.dtype), str(self.device)))
+                shape = (len(layers), 2, self.tokens_per_block, spec.n_kv_heads, spec.head_dim)
+                layouts.append(PageLayout(shape, _dtype_name(self.spec.dtype), str(self.device)))
         return layouts
+
+    def pool_names(self) -> list[str]:
+        """``full``, ``sliding(W)``, ``recurrent`` per pool, for messages and statistics."""
+        return [kind if window is None else f"{kind}({window})"
+                for kind, window in zip(self.kinds, self.windows)]
 
     def bind(self, manager) -> None:
         """Use ``manager``'s pages (its tokens_per_block becomes this engine's)."""
@@ -202,7 +213,7 @@ class TorchEngine(Engine):
         if self.storage is None:
             raise RuntimeError("bind(manager) before stepping")
         for item in items:
-            _check_item(item, self.paging.max_model_len)
+            _check_item(item, self.spec.max_model_len)
         return plan_batch(self, items)
 
     # -- what the router and operators see --------------------------------------------
@@ -223,19 +234,46 @@ class TorchEngine(Engine):
 
     @property
     def max_model_len(self) -> int:
-        return self.paging.max_model_len
+        return self.spec.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.paging.vocab_size
+        return self.spec.vocab_size
 
     def describe(self) -> dict:
-        p = self.paging
+        s = self.spec
+        attention = [p for p in self.pool_specs if isinstance(p, AttentionSpec)]
         return {"engine": self.name, **self.info, "parameters": self.num_parameters,
-                "device": str(self.device), "dtype": _dtype_name(p.dtype),
-                "layers": list(p.layers), "n_kv_heads": p.n_kv_heads, "head_dim": p.head_dim,
-                "windows": sorted({w for w in p.windows if w is not None}),
-                "vocab_size": p.vocab_size, "max_model_len": p.max_model_len}
+                "device": str(self.device), "dtype": _dtype_name(s.dtype),
+                "layers": list(s.kinds),
+                "n_kv_heads": attention[0].n_kv_heads if attention else 0,
+                "head_dim": attention[0].head_dim if attention else 0,
+                "windows": sorted({w for w in self.windows if w is not None}),
+                "pools": self.pool_names(),
+                "vocab_size": s.vocab_size, "max_model_len": s.max_model_len}
+
+
+def _pool_key(spec: LayerSpec) -> tuple[str, int | None] | None:
+    """The pool a layer's cache lives in: (kind, window), None for a layer without one."""
+    return None if spec is None else (spec.kind, getattr(spec, "window", None))
+
+
+def _pools(spec: ModelSpec) -> list[tuple[str, int | None]]:
+    """The model's pools: full, sliding (smallest window first), recurrent."""
+    keys = {_pool_key(layer) for layer in spec.layers} - {None}
+    return sorted(keys, key=lambda key: (LAYER_KINDS.index(key[0]), key[1] or 0))
+
+
+def _pool_spec(spec: ModelSpec, layers: tuple[int, ...]) -> AttentionSpec | RecurrentSpec:
+    """What a page of the pool of ``layers`` holds; they must agree on it (one page holds
+    them all). Attention layers may differ in scale and sinks, not in their K/V shape."""
+    specs = [spec.layers[i] for i in layers]
+    shapes = {(s.n_kv_heads, s.head_dim) if isinstance(s, AttentionSpec) else s.states
+              for s in specs}
+    if len(shapes) != 1:
+        raise ValueError(f"layers {list(layers)} share a pool but differ in what they cache "
+                         f"({sorted(map(str, shapes))}): one page holds all of them")
+    return specs[0]
 
 
 def _device(device: str | torch.device | None) -> torch.device:

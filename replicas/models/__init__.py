@@ -7,7 +7,8 @@ checkpoint directory into one is ``replicas.checkpoint``'s job.
 
 from __future__ import annotations
 
-from .base import LAYER_KINDS, MixerContext, PagedLM, Paging
+from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpec, PagedLM,
+                   RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -16,5 +17,6 @@ from .qwen3 import Qwen3ForCausalLM
 ARCHITECTURES = {cls.__name__: cls for cls in (
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
 
-__all__ = ["ARCHITECTURES", "CheckpointError", "LAYER_KINDS", "MixerContext", "ModelArgs",
-           "PagedLM", "Paging", "RopeConfig", "parse_config"]
+__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "LAYER_KINDS", "LayerSpec",
+           "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig",
+           "StateSpec", "parse_config"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import MixerContext, Paging
+from .base import AttentionSpec, MixerContext, ModelSpec
 from .config import ModelArgs, RopeConfig
 
 
@@ -163,11 +163,10 @@ class LlamaForCausalLM(nn.Module):
         self.args = args
         self.model = LlamaModel(args, self.attention)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.paging = Paging(
-            layers=args.layer_types,
-            windows=tuple(args.sliding_window if kind == "sliding" else None
-                          for kind in args.layer_types),
-            n_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+        self.spec = ModelSpec(
+            tuple(AttentionSpec(args.num_key_value_heads, args.head_dim,
+                                window=args.sliding_window if kind == "sliding" else None)
+                  for kind in args.layer_types),
             max_model_len=args.max_position_embeddings, vocab_size=args.vocab_size,
             dtype=dtype)
 
