@@ -1,6 +1,6 @@
 """Load a local Hugging Face checkpoint directory into a ``replicas.models`` model.
 
-    config.json                        -> ModelArgs (replicas/models/config.py), validated
+    config.json                        -> the family's arguments (its ``parse_config``), validated
     model.safetensors                  -> weights, or
     model.safetensors.index.json       -> {"weight_map": {tensor name: shard file}}
 
@@ -11,19 +11,30 @@ and nothing but that one tensor when loading to CUDA. Each file is opened (memor
 per tensor so that pages already copied are unmapped, not kept resident. A bad directory
 (missing file, unknown architecture, unsupported field, missing/unexpected/misshapen
 tensor) raises ``CheckpointError`` naming what is wrong, before any server listens.
+
+A family (a class of ``replicas.models.ARCHITECTURES``) says how its checkpoints map onto
+its parameters:
+
+- ``parse_config(raw, source)`` (classmethod): its arguments from ``config.json``; the
+  result has ``architecture``, ``tie_word_embeddings`` and ``dtype``;
+- ``IGNORED_TENSORS``: regular expressions of stored tensors it does not use (e.g. the
+  multi-token-prediction layers of Qwen3-Next), which transformers drops too;
+- ``checkpoint_tensor(param)`` (optional): ``(stored names, combine)`` for a parameter that
+  is not stored under its own name: ``combine(*tensors)`` builds it from those tensors
+  (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from replicas.models import ARCHITECTURES, CheckpointError, ModelArgs, parse_config
+from replicas.models import ARCHITECTURES, CheckpointError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,7 +43,8 @@ SINGLE_FILE = "model.safetensors"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def read_config(directory: str | Path) -> ModelArgs:
+def read_config(directory: str | Path):
+    """The family's arguments of ``directory/config.json``."""
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         raise CheckpointError(f"{directory}: not a directory")
@@ -45,7 +57,19 @@ def read_config(directory: str | Path) -> ModelArgs:
         raise CheckpointError(f"{path}: cannot be read as JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
-    return parse_config(raw, str(path))
+    return family(raw, str(path)).parse_config(raw, str(path))
+
+
+def family(raw: dict, source: str) -> type:
+    """The model class of ``config.json``'s one ``architectures`` entry."""
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        raise CheckpointError(f"{source}: 'architectures' must list one architecture, "
+                              f"got {archs!r}")
+    if archs[0] not in ARCHITECTURES:
+        raise CheckpointError(f"{source}: architecture {archs[0]!r} is not supported; "
+                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    return ARCHITECTURES[archs[0]]
 
 
 def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = None,
@@ -61,17 +85,35 @@ def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = Non
     expected = dict(model.named_parameters())
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    _check_names(directory, expected, files, args)
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for name in expected:
-        by_file[files[name]].append(name)
+    sources = {name: _sources(model, name) for name in expected}
+    _check_names(directory, model, sources, files, args)
     device = torch.device(device)
-    for path, names in by_file.items():
-        for name in names:
-            _set_parameter(model, name, _read(path, name, expected[name].shape, dtype, device))
+    for name, (stored, combine) in sources.items():
+        if combine is None:
+            tensor = _read(files[stored[0]], stored[0], expected[name].shape, dtype, device)
+        else:
+            tensor = _combined(files, name, stored, combine, expected[name].shape, dtype,
+                               device)
+        _set_parameter(model, name, tensor)
     model.tie_weights()
     model.to(device)  # the buffers (RoPE frequencies, computed at construction on the CPU)
     return model.eval().requires_grad_(False)
+
+
+def _sources(model: nn.Module, name: str) -> tuple[tuple[str, ...], object]:
+    hook = getattr(model, "checkpoint_tensor", None)
+    return ((name,), None) if hook is None else hook(name)
+
+
+def _combined(files: dict[str, Path], name: str, stored: tuple[str, ...], combine,
+              shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A parameter built from several stored tensors (read in their own dtype)."""
+    parts = [_read(files[s], s, None, None, device) for s in stored]
+    tensor = combine(*parts)
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"{files[stored[0]]}: {', '.join(stored)} make {name} of shape "
+                              f"{list(tensor.shape)}, config.json implies {list(shape)}")
+    return tensor.to(dtype)
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
@@ -94,16 +136,20 @@ def weight_files(directory: Path) -> dict[str, Path]:
                           "checkpoints are supported)")
 
 
-def _check_names(directory: Path, expected: dict, files: dict[str, Path],
-                 args: ModelArgs) -> None:
-    missing = [name for name in expected if name not in files]
+def _check_names(directory: Path, model: nn.Module, sources: dict, files: dict[str, Path],
+                 args) -> None:
+    needed = list(dict.fromkeys(stored for names, _ in sources.values() for stored in names))
+    missing = [name for name in needed if name not in files]
     if missing:
         raise CheckpointError(f"{directory}: tensor {missing[0]} is missing from the "
                               f"checkpoint ({len(missing)} missing) although config.json "
                               f"({args.architecture}) needs it")
     ignored = {"lm_head.weight"} if args.tie_word_embeddings else set()
-    extra = [name for name in files if name not in expected and name not in ignored
-             and not name.endswith(_IGNORED_SUFFIXES)]
+    patterns = [re.compile(p) for p in getattr(model, "IGNORED_TENSORS", ())]
+    known = set(needed)
+    extra = [name for name in files if name not in known and name not in ignored
+             and not name.endswith(_IGNORED_SUFFIXES)
+             and not any(p.fullmatch(name) for p in patterns)]
     if extra:
         raise CheckpointError(f"{files[extra[0]]}: unexpected tensor {extra[0]} "
                               f"({len(extra)} unexpected): config.json ({args.architecture}"
@@ -111,20 +157,22 @@ def _check_names(directory: Path, expected: dict, files: dict[str, Path],
                               "mlp_bias, num_hidden_layers, tie_word_embeddings)")
 
 
-def _read(path: Path, name: str, shape: torch.Size, dtype: torch.dtype,
+def _read(path: Path, name: str, shape: torch.Size | None, dtype: torch.dtype | None,
           device: torch.device) -> torch.Tensor:
+    """One stored tensor, checked against ``shape`` and converted to ``dtype`` (None: as
+    stored)."""
     with _open(path, device) as f:
         if name not in f.keys():
             raise CheckpointError(f"{path}: tensor {name} is missing (the index names it)")
         found = tuple(f.get_slice(name).get_shape())
-        if found != tuple(shape):
+        if shape is not None and found != tuple(shape):
             raise CheckpointError(f"{path}: tensor {name} has shape {list(found)}, config.json "
                                   f"implies {list(shape)}")
         tensor = f.get_tensor(name)
         # On the CPU, get_tensor may return a view of the file's mapping: copy it, so the
         # model owns its memory and never depends on the file again (a file rewritten or
         # truncated under a mapping reads garbage or raises SIGBUS).
-        return tensor.to(dtype, copy=tensor.device.type == "cpu")
+        return tensor.to(dtype or tensor.dtype, copy=tensor.device.type == "cpu")
 
 
 def _open(path: Path, device: torch.device | str = "cpu"):

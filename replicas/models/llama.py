@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import AttentionSpec, MixerContext, ModelSpec
-from .config import ModelArgs, RopeConfig
+from .config import ModelArgs, RopeConfig, parse_config
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
     (``replicas.checkpoint``); with tied embeddings ``lm_head`` is ``embed_tokens``."""
 
     attention: type[LlamaAttention] = LlamaAttention
+    parse_config = staticmethod(parse_config)  # config.json -> ModelArgs (config.py)
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

@@ -52,6 +52,10 @@ POOLS = {
 }
 
 
+# The variants tests/replicas/models/test_families.py serves through the scheduler.
+FAMILY_VARIANTS = ["llama", "qwen3"]
+
+
 def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
     cls, fields = VARIANTS[variant]
     return cls(**{**COMMON, **fields, **changes})
