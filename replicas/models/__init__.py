@@ -10,12 +10,13 @@ from __future__ import annotations
 from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpec, PagedLM,
                    RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
+from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES = {cls.__name__: cls for cls in (
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Lfm2ForCausalLM)}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "LAYER_KINDS", "LayerSpec",
            "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig",

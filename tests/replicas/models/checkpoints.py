@@ -40,6 +40,10 @@ VARIANTS = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention",
                      "full_attention"])),
     "mistral": (transformers.MistralConfig, dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    # LFM2: short-convolution layers (a conv state only) around one attention layer
+    "lfm2": (transformers.Lfm2Config, dict(
+        num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+        block_multiple_of=32, tie_word_embeddings=True)),
 }
 
 # Each variant's pools: (kind, window, layers in the pool), in the engine's pool order.
@@ -53,7 +57,7 @@ POOLS = {
 
 
 # The variants tests/replicas/models/test_families.py serves through the scheduler.
-FAMILY_VARIANTS = ["llama", "qwen3"]
+FAMILY_VARIANTS = ["llama", "qwen3", "lfm2"]
 
 
 def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
