@@ -45,6 +45,7 @@ def check_manager(mgr: KVCacheManager) -> None:
     for root in tree.roots.values():
         _check_snapshot_lengths(mgr, root)
 
+    assert [len(pages) for pages in attached] == tree.attached, (attached, tree.attached)
     for i, pool in enumerate(pools):
         free = set(pool.free_pages())
         assert len(free) == pool.num_free, f"pool {i}: a page is free twice"

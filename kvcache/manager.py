@@ -66,6 +66,7 @@ class PoolStats:
     used_pages: int  # needed by open caches
     cached_pages: int  # attached to tree blocks, needed by no open cache: reusable, evictable
     evicted_pages: int  # cached pages freed so far to make room (or by clear_reusable_blocks)
+    block_pages: int = 0  # attached to tree blocks, needed or not (recurrent: snapshots kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +150,7 @@ class KVCacheManager:
             free = pool.num_free
             pools.append(PoolStats(self.layout.names[i], pool.num_pages, free,
                                    pool.num_pages - free - cached, cached,
-                                   self._tree.evicted_pages[i]))
+                                   self._tree.evicted_pages[i], self._tree.attached[i]))
         return ManagerStats(
             num_pages=sum(p.num_pages for p in pools),
             free_pages=sum(p.free_pages for p in pools),

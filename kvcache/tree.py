@@ -124,6 +124,7 @@ class BlockTree:
         self.num_blocks = 0
         self.evicted_blocks = 0
         self.evicted_pages = [0] * len(self.pools)
+        self.attached = [0] * len(self.pools)  # pages on blocks (recurrent: snapshots kept)
         self._heap: list[tuple[int, int, int, Block]] = []
         self._page_heaps: list[list[tuple[int, int, int, int]]] = [[] for _ in self.pools]
         self._seq = 0
@@ -149,6 +150,7 @@ class BlockTree:
         """Attach a page an open cache references (it becomes cached when released)."""
         block.pages[pool] = page
         self.pools[pool].block_of[page] = block
+        self.attached[pool] += 1
         if pool == self.full and block.holders == 0:
             self.reclaimable[pool] += 1
         if pool == self.recurrent and len(block.key) < self._block_bytes:
@@ -167,6 +169,7 @@ class BlockTree:
             self.reclaimable[pool] -= 1
         block.pages[pool] = None
         p.block_of[page] = None
+        self.attached[pool] -= 1
         if pool == self.recurrent and len(block.key) < self._block_bytes:
             lengths = block.parent.snapshot_lengths
             assert lengths is not None
@@ -263,6 +266,7 @@ class BlockTree:
         self.num_blocks = 0
         self.roots.clear()
         self.reclaimable = [0] * len(self.pools)
+        self.attached = [0] * len(self.pools)
         self._heap = []
         self._page_heaps = [[] for _ in self.pools]
 
@@ -324,6 +328,7 @@ class BlockTree:
                     else:
                         block.pages[pool] = None
                         reclaimable[pool] -= 1
+                        self.attached[pool] -= 1
                     pools[pool].give_back(page)  # clears the page's back pointer
                     evicted[pool] += 1
             block.alive = False

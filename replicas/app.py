@@ -273,6 +273,19 @@ async def _abort_on_disconnect(request: Request, service: ReplicaService, seq: S
             return
 
 
+def _pools(service: ReplicaService, pools) -> list[dict]:
+    """The manager's pool statistics, with what the engine says of each pool: how many of
+    the model's layers keep their cache there and the bytes of one page."""
+    layers = getattr(service.engine, "pool_layers", None)
+    sizes = [None] * len(pools)
+    storage = [service.manager.page_storage(i) for i in range(len(pools))]
+    for i, store in enumerate(storage):
+        if store is not None:
+            sizes[i] = store[0].numel() * store.element_size()
+    return [{**dataclasses.asdict(p), "layers": len(layers[i]) if layers else None,
+             "page_bytes": sizes[i]} for i, p in enumerate(pools)]
+
+
 def _stats(service: ReplicaService) -> dict:
     s = service.manager.stats()
     sched = service.scheduler
@@ -283,7 +296,7 @@ def _stats(service: ReplicaService) -> dict:
             "tokens_per_block": service.manager.config.tokens_per_block,
             "num_pages": s.num_pages, "free_pages": s.free_pages, "used_pages": s.used_pages,
             "cached_pages": s.cached_pages, "cached_blocks": s.cached_blocks,
-            "pools": [dataclasses.asdict(p) for p in s.pools],
+            "pools": _pools(service, s.pools),
             "evicted_blocks": s.evicted_blocks,
         },
         "reuse": {

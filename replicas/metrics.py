@@ -94,7 +94,8 @@ class _StateCollector:
                              ("cached", s.cached_pages)):
             pages.add_metric([self.model, state], value)
         yield pages
-        yield from _pool_families(self.model, s.pools)
+        yield from _pool_families(self.model, s.pools,
+                                  getattr(self.scheduler.engine, "pool_layers", None))
         yield counter("replica_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                       "cache.", s.query_tokens)
         yield counter("replica_prefix_cache_hits", "Prompt tokens reused from the prefix "
@@ -106,17 +107,30 @@ class _StateCollector:
                       self.scheduler.preemptions)
 
 
-def _pool_families(model: str, pools):
-    """Per-pool pages by state (gauge) and evicted pages (counter), one series per pool."""
+def _pool_families(model: str, pools, pool_layers=None):
+    """Per-pool pages by state, pages on blocks (gauges) and evicted pages (counter), one
+    series per pool; with ``pool_layers`` (the engine's), the model layers of each pool."""
     labels = ["model_name", "pool", "life_cycle"]
     pages = GaugeMetricFamily("replica_kv_cache_pool_pages", "KV pages of one pool (one "
                               "life cycle) by state.", labels=labels + ["state"])
     evicted = CounterMetricFamily("replica_kv_cache_pool_evicted_pages", "Cached pages of "
-                                  "one pool freed to make room.", labels=labels)
+                                  "one pool freed to make room (recurrent: snapshots "
+                                  "evicted).", labels=labels)
+    on_blocks = GaugeMetricFamily("replica_kv_cache_pool_block_pages", "Pages of one pool "
+                                  "attached to cached blocks, in use or not (recurrent: "
+                                  "snapshots kept).", labels=labels)
     for i, p in enumerate(pools):
         values = [model, str(i), p.life_cycle]
         for state, n in (("free", p.free_pages), ("used", p.used_pages),
                          ("cached", p.cached_pages)):
             pages.add_metric(values + [state], n)
         evicted.add_metric(values, p.evicted_pages)
-    return pages, evicted
+        on_blocks.add_metric(values, p.block_pages)
+    families = [pages, evicted, on_blocks]
+    if pool_layers:
+        layers = GaugeMetricFamily("replica_kv_cache_pool_layers", "Model layers whose cache "
+                                   "lives in the pool.", labels=labels)
+        for i, p in enumerate(pools):
+            layers.add_metric([model, str(i), p.life_cycle], len(pool_layers[i]))
+        families.append(layers)
+    return families

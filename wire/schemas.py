@@ -325,12 +325,17 @@ class ServedModelList(BaseModel):
 # -- /stats ------------------------------------------------------------------------------
 
 class PoolStatsOut(BaseModel):
-    life_cycle: str
+    """One pool of a replica's KV cache (one life cycle of its model's layers)."""
+
+    life_cycle: str  # full_attention, sliding_window(W), recurrent
     num_pages: int
     free_pages: int
     used_pages: int
     cached_pages: int
-    evicted_pages: int
+    evicted_pages: int  # recurrent: snapshots evicted
+    block_pages: int = 0  # on cached blocks, needed or not (recurrent: snapshots kept)
+    layers: Optional[int] = None  # model layers whose cache lives here (None: not a model's)
+    page_bytes: Optional[int] = None  # one page (None: no storage, e.g. the sim engine)
 
 
 class KVCacheStatsOut(BaseModel):

@@ -15,8 +15,11 @@ export function pagesOf(load) {
 }
 
 // The columns of the per-pool table: a field of /stats' kv_pools entries, its heading.
-const POOL_COLUMNS = [["cached_pages", "cached", "cached"], ["used_pages", "used", "used"],
-                      ["free_pages", "free", "free"], ["evicted_pages", "evicted", null]];
+// block_pages: pages on cached blocks (for the recurrent pool, the snapshots kept).
+const POOL_COLUMNS = [["layers", "layers", null],
+                      ["cached_pages", "cached", "cached"], ["used_pages", "used", "used"],
+                      ["free_pages", "free", "free"], ["block_pages", "on blocks", null],
+                      ["evicted_pages", "evicted", null]];
 
 function poolTable() {
   const heading = ([, label, cls]) =>
@@ -53,9 +56,15 @@ function renderPools(table, pools) {
   }
   list.forEach((p, i) => {
     const row = table.rows[i];
-    row.root.title = `${fmtInt(p.num_pages)} pages`;
+    const size = p.page_bytes ? `, ${fmtInt(p.page_bytes)} bytes each` : "";
+    const snapshots = p.life_cycle === "recurrent"
+      ? ` (a live state per running request; on blocks: snapshots kept, evicted: snapshots ` +
+        `evicted)` : "";
+    row.root.title = `${fmtInt(p.num_pages)} pages${size}${snapshots}`;
     setValue(row.f.life_cycle, p.life_cycle, p.life_cycle);
-    for (const [name] of POOL_COLUMNS) setValue(row.f[name], p[name], fmtInt(p[name]));
+    for (const [name] of POOL_COLUMNS) {
+      setValue(row.f[name], p[name], fmtInt(p[name]));
+    }
   });
 }
 

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "artifacts" / "dashboard.png"
 STATIC = ROOT / "router" / "static"
 SHOWN_DECISIONS = 10  # DECISIONS_SHOWN in router/static/decisions.js
-POOL_COLUMNS = ("cached_pages", "used_pages", "free_pages", "evicted_pages")
+POOL_COLUMNS = ("layers", "cached_pages", "used_pages", "free_pages", "block_pages",
+                "evicted_pages")
 
 # Everything the page shows, read in one go: {value: data-value, text: textContent}.
 SNAPSHOT_JS = """() => {
@@ -125,6 +126,14 @@ def as_int(field: dict) -> int:
     return value
 
 
+def as_int_or_none(field: dict) -> int | None:
+    """A count, or "–" for one the replica does not know (no data-value)."""
+    if field["value"] == "":
+        assert field["text"] == "\u2013", field
+        return None
+    return as_int(field)
+
+
 def as_rate(field: dict, expected: float) -> None:
     """A rate: data-value exact, the text ("91.4%") within the rounding of one decimal."""
     assert float(field["value"]) == pytest.approx(expected, abs=1e-12), field
@@ -157,9 +166,12 @@ def pools_shown(card: dict) -> list[dict] | None:
     for row in card["pools"]:
         f = row["fields"]
         assert f["life_cycle"]["text"] == f["life_cycle"]["value"]
-        num_pages = int(row["title"].split()[0].replace(",", ""))
+        words = row["title"].replace(",", "").split()  # "N pages[ B bytes each][ (...)]"
+        num_pages = int(words[0])
+        page_bytes = int(words[2]) if words[2:4] and words[3] == "bytes" else None
         rows.append({"life_cycle": f["life_cycle"]["text"], "num_pages": num_pages,
-                     **{name: as_int(f[name]) for name in POOL_COLUMNS}})
+                     "page_bytes": page_bytes,
+                     **{name: as_int_or_none(f[name]) for name in POOL_COLUMNS}})
     return rows
 
 
@@ -286,6 +298,8 @@ def test_dashboard_follows_live_traffic(live, browser):
         assert [p["life_cycle"] for p in pools] == [
             "full_attention", "sliding_window(24)", "recurrent"]
         assert pools[0]["cached_pages"] > 0 and all(p["num_pages"] == 48 for p in pools)
+        assert [p["layers"] for p in pools] == [1, 1, 1]  # tiny-hybrid: one layer a kind
+        assert pools[2]["block_pages"] > 0  # snapshots kept
         for card in snap["cards"]:
             if card["replica"] in {r.url for r in live.replicas}:
                 assert [p["life_cycle"] for p in pools_shown(card)] == ["full_attention"]

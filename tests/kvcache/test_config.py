@@ -89,3 +89,23 @@ def test_each_pool_gets_its_own_page_count():
     cache.close()
     other.close()
     mgr.check_invariants()
+
+
+def test_pool_stats_count_the_pages_on_blocks_snapshots_included():
+    """block_pages: pages attached to cached blocks, held or not. A 12-token commit at a
+    block boundary keeps a snapshot; closing after 2 more tokens keeps the state at 14 on the
+    partial block: 2 snapshots, 4 full-attention pages (3 blocks + the partial one)."""
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=4, num_pages=(8, 4),
+                                     life_cycles=(FullAttention(), Recurrent())))
+    cache = mgr.create_kv_cache([])
+    assert cache.resize(14)
+    cache.commit(list(range(12)))
+    assert [p.block_pages for p in mgr.stats().pools] == [3, 1]
+    cache.commit([12, 13])
+    cache.close()
+    stats = mgr.stats()
+    assert [p.block_pages for p in stats.pools] == [4, 2]
+    assert [p.cached_pages for p in stats.pools] == [4, 2]
+    mgr.clear_reusable_blocks()
+    assert [p.block_pages for p in mgr.stats().pools] == [0, 0]
+    mgr.check_invariants()

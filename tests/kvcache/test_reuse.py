@@ -235,8 +235,8 @@ def test_sliding_window_with_full_attention_and_sinks():
     assert [mgr.probe_reuse(seq(0, n)).num_tokens for n in (32, 64, 96, 128, 160)] == \
         [32, 64, 96, 128, 160]
     assert mgr.stats().pools == (
-        PoolStats("full_attention", 256, 251, 0, 5, 0),
-        PoolStats("sliding_window(64, sink=32)", 256, 251, 0, 5, 0),
+        PoolStats("full_attention", 256, 251, 0, 5, 0, block_pages=5),
+        PoolStats("sliding_window(64, sink=32)", 256, 251, 0, 5, 0, block_pages=5),
     )
 
 

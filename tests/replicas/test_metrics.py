@@ -101,7 +101,10 @@ def test_per_pool_metrics_follow_the_manager(hybrid):
 
     # /stats reports the same pools, and the totals metrics stay the sums over pools.
     assert client.get("/stats").json()["kv_cache"]["pools"] == [
-        dataclasses.asdict(p) for p in pools]
+        {**dataclasses.asdict(p), "layers": None, "page_bytes": None} for p in pools]
+    on_blocks = {dict(labels)["pool"]: value for (name, labels), value in samples.items()
+                 if name == "replica_kv_cache_pool_block_pages"}
+    assert on_blocks == {str(i): p.block_pages for i, p in enumerate(pools)}
     label = (("model_name", "hybrid-test"),)
     for state in ("free", "used", "cached"):
         total = samples[("replica_kv_cache_pages", label + (("state", state),))]
@@ -134,3 +137,26 @@ def test_per_pool_metrics_carry_every_field_of_the_pool_stats():
         ("1", "sliding_window(64, sink=32)", "cached"): 30,
         ("1", "sliding_window(64, sink=32)", "evicted"): 9,
     }
+
+
+def test_a_models_pools_name_their_layers_and_page_sizes():
+    """tiny-hybrid (full, sliding(24), recurrent: one layer each) at 16 tokens a block: full
+    and sliding pages of 1 layer x K/V x 16 tokens x 2 heads x 16 floats, a recurrent page
+    of 64 floats. A 40-token request keeps 2 snapshots (its prefill at 32 and its end)."""
+    settings = ReplicaSettings(engine="torch", preset="tiny-hybrid", kv_pages=8,
+                               tokens_per_block=16, served_model_name="tiny")
+    service = ReplicaService(settings)
+    client = TestClient(create_app(settings, service))
+    cache = service.manager.create_kv_cache(list(range(40)))
+    assert cache.resize(41)
+    cache.commit(list(range(32)))
+    cache.commit(list(range(32, 40)))
+    cache.close()
+    pools = client.get("/stats").json()["kv_cache"]["pools"]
+    assert [(p["life_cycle"], p["layers"], p["page_bytes"], p["block_pages"]) for p in pools] == [
+        ("full_attention", 1, 2 * 16 * 2 * 16 * 4, 3),
+        ("sliding_window(24)", 1, 2 * 16 * 2 * 16 * 4, 3),
+        ("recurrent", 1, 64 * 4, 2)]
+    layers = {dict(labels)["life_cycle"]: value for (name, labels), value in scrape(client).items()
+              if name == "replica_kv_cache_pool_layers"}
+    assert layers == {"full_attention": 1, "sliding_window(24)": 1, "recurrent": 1}

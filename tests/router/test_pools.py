@@ -20,7 +20,8 @@ SYSTEM = "You answer questions about the KV cache of a hybrid model, briefly. " 
 
 
 POOL = {"life_cycle": "sliding_window(64, sink=32)", "num_pages": 64, "free_pages": 10,
-        "used_pages": 20, "cached_pages": 34, "evicted_pages": 7}
+        "used_pages": 20, "cached_pages": 34, "evicted_pages": 7, "block_pages": 40,
+        "layers": 5, "page_bytes": 65536}
 
 
 class Answers:
