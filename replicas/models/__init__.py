@@ -1,8 +1,9 @@
 """Hugging Face architectures served on the KV pages, one file per family.
 
 ``ARCHITECTURES`` maps a ``config.json`` ``architectures`` entry to its model class; each
-class takes a ``ModelArgs`` (``config.py``) and is a ``PagedLM`` (``base.py``). Loading a
-checkpoint directory into one is ``replicas.checkpoint``'s job.
+class parses its own config (``parse_config``), declares its layers as specs (``base.py``)
+and is a ``PagedLM``. Loading a checkpoint directory into one is ``replicas.checkpoint``'s
+job.
 """
 
 from __future__ import annotations
@@ -10,14 +11,21 @@ from __future__ import annotations
 from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpec, PagedLM,
                    RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
+from .gemma3 import Gemma3ForCausalLM
 from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES = {cls.__name__: cls for cls in (
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Lfm2ForCausalLM)}
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Gemma3ForCausalLM,
+    Lfm2ForCausalLM,
+)}
 
-__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "LAYER_KINDS", "LayerSpec",
-           "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig",
-           "StateSpec", "parse_config"]
+__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM",
+           "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext", "ModelArgs",
+           "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]

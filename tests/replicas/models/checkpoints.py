@@ -16,6 +16,7 @@ import transformers
 
 VOCAB = 300
 WINDOW = 12
+CAP = 8.0  # Gemma 3's final_logit_softcapping in its variant
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -44,20 +45,38 @@ VARIANTS = {
     "lfm2": (transformers.Lfm2Config, dict(
         num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
         block_multiple_of=32, tie_word_embeddings=True)),
+    # Gemma 3: local (sliding) and global layers, each kind with its own RoPE (the global
+    # one linearly scaled), an attention scale of its own (24 ** -0.5, head_dim 16) and
+    # softcapped final logits.
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)),
+        final_logit_softcapping=CAP)),
 }
 
-# Each variant's pools: (kind, window, layers in the pool), in the engine's pool order.
+# The attention-only variants' pools: (kind, window, layers in the pool), in the engine's
+# pool order (tests/replicas/models/test_hf_models.py runs these).
 FULL2 = [("full", None, 2)]
 POOLS = {
     "llama": FULL2, "llama-rope-llama3": FULL2, "llama-rope-linear": FULL2, "qwen2": FULL2,
     "qwen2-sliding": [("full", None, 1), ("sliding", WINDOW, 2)],
     "qwen3": [("full", None, 2), ("sliding", WINDOW, 2)],
     "mistral": [("sliding", WINDOW, 2)],
+    "gemma3": [("full", None, 1), ("sliding", WINDOW, 3)],
 }
 
 
 # The variants tests/replicas/models/test_families.py serves through the scheduler.
-FAMILY_VARIANTS = ["llama", "qwen3", "lfm2"]
+FAMILY_VARIANTS = [
+    "llama",
+    "qwen3",
+    "gemma3",
+    "lfm2",
+]
 
 
 def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
