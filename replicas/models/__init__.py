@@ -10,13 +10,15 @@ from __future__ import annotations
 from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpec, PagedLM,
                    RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
+from .gpt_oss import GptOssForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES = {cls.__name__: cls for cls in (
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM)}
 
-__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "LAYER_KINDS", "LayerSpec",
-           "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig",
-           "StateSpec", "parse_config"]
+__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "GptOssForCausalLM",
+           "LAYER_KINDS", "LayerSpec", "MixerContext", "ModelArgs", "ModelSpec", "PagedLM",
+           "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]

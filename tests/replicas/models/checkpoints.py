@@ -40,6 +40,17 @@ VARIANTS = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention",
                      "full_attention"])),
     "mistral": (transformers.MistralConfig, dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    # Sliding and full layers alternating (GptOssConfig's default layer_types), attention
+    # sinks, 4 experts of which 2 per token, YaRN from 32 positions (8x, so positions past
+    # 32 are scaled); transformers' eager attention (the one with sinks) as the oracle.
+    "gpt-oss": (transformers.GptOssConfig, dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+        num_experts_per_tok=2, attn_implementation="eager",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=32))),
 }
 
 # Each variant's pools: (kind, window, layers in the pool), in the engine's pool order.
@@ -49,11 +60,12 @@ POOLS = {
     "qwen2-sliding": [("full", None, 1), ("sliding", WINDOW, 2)],
     "qwen3": [("full", None, 2), ("sliding", WINDOW, 2)],
     "mistral": [("sliding", WINDOW, 2)],
+    "gpt-oss": [("full", None, 2), ("sliding", WINDOW, 2)],
 }
 
 
 # The variants tests/replicas/models/test_families.py serves through the scheduler.
-FAMILY_VARIANTS = ["llama", "qwen3"]
+FAMILY_VARIANTS = ["llama", "qwen3", "gpt-oss"]
 
 
 def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
