@@ -12,6 +12,7 @@ from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpe
                    RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
 from .gemma3 import Gemma3ForCausalLM
+from .gpt_oss import GptOssForCausalLM
 from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -23,9 +24,11 @@ ARCHITECTURES = {cls.__name__: cls for cls in (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Gemma3ForCausalLM,
+    GptOssForCausalLM,
     Lfm2ForCausalLM,
 )}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM",
-           "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext", "ModelArgs",
-           "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]
+           "GptOssForCausalLM", "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext",
+           "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig", "StateSpec",
+           "parse_config"]

@@ -40,7 +40,8 @@ def saved(tmp_path_factory):
 
 
 def test_every_architecture_has_its_config_rules():
-    """config.py's rules serve the Llama-like families; the others parse their own."""
+    """config.py's shared rules are the Llama-like families'; every other family parses its
+    own config.json (its parse_config)."""
     assert sorted(ARCHITECTURE_RULES) == [
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
     assert set(ARCHITECTURE_RULES) <= set(ARCHITECTURES)

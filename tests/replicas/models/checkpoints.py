@@ -56,6 +56,17 @@ VARIANTS = {
             sliding_attention=dict(rope_type="default", rope_theta=10000.0),
             full_attention=dict(rope_type="linear", rope_theta=1000000.0, factor=8.0)),
         final_logit_softcapping=CAP)),
+    # Sliding and full layers alternating (GptOssConfig's default layer_types), attention
+    # sinks, 4 experts of which 2 per token, YaRN from 32 positions (8x, so positions past
+    # 32 are scaled); transformers' eager attention (the one with sinks) as the oracle.
+    "gpt-oss": (transformers.GptOssConfig, dict(
+        num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+        num_experts_per_tok=2, attn_implementation="eager",
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=32))),
 }
 
 # The attention-only variants' pools: (kind, window, layers in the pool), in the engine's
@@ -67,6 +78,7 @@ POOLS = {
     "qwen3": [("full", None, 2), ("sliding", WINDOW, 2)],
     "mistral": [("sliding", WINDOW, 2)],
     "gemma3": [("full", None, 1), ("sliding", WINDOW, 3)],
+    "gpt-oss": [("full", None, 2), ("sliding", WINDOW, 2)],
 }
 
 
@@ -76,6 +88,7 @@ FAMILY_VARIANTS = [
     "qwen3",
     "gemma3",
     "lfm2",
+    "gpt-oss",
 ]
 
 
