@@ -13,10 +13,12 @@ from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES = {cls.__name__: cls for cls in (
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    Qwen3NextForCausalLM)}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "LAYER_KINDS", "LayerSpec",
-           "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig",
-           "StateSpec", "parse_config"]
+           "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "Qwen3NextForCausalLM",
+           "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]

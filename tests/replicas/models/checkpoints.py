@@ -40,6 +40,16 @@ VARIANTS = {
         layer_types=["full_attention", "sliding_attention", "sliding_attention",
                      "full_attention"])),
     "mistral": (transformers.MistralConfig, dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    # The real 3:1 ratio of Gated DeltaNet to gated attention layers; MoE layers (4 experts,
+    # top-2, a shared expert) but layer 1, dense (mlp_only_layers); RoPE on half of each head.
+    "qwen3-next": (transformers.Qwen3NextConfig, dict(
+        num_hidden_layers=4, head_dim=16, partial_rotary_factor=0.5,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
 }
 
 # Each variant's pools: (kind, window, layers in the pool), in the engine's pool order.
@@ -49,11 +59,12 @@ POOLS = {
     "qwen2-sliding": [("full", None, 1), ("sliding", WINDOW, 2)],
     "qwen3": [("full", None, 2), ("sliding", WINDOW, 2)],
     "mistral": [("sliding", WINDOW, 2)],
+    "qwen3-next": [("full", None, 1), ("recurrent", None, 3)],
 }
 
 
 # The variants tests/replicas/models/test_families.py serves through the scheduler.
-FAMILY_VARIANTS = ["llama", "qwen3"]
+FAMILY_VARIANTS = ["llama", "qwen3", "qwen3-next"]
 
 
 def hf_config(variant: str, **changes) -> transformers.PretrainedConfig:
