@@ -17,6 +17,7 @@ from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES = {cls.__name__: cls for cls in (
     LlamaForCausalLM,
@@ -26,9 +27,10 @@ ARCHITECTURES = {cls.__name__: cls for cls in (
     Gemma3ForCausalLM,
     GptOssForCausalLM,
     Lfm2ForCausalLM,
+    Qwen3NextForCausalLM,
 )}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM",
            "GptOssForCausalLM", "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext",
-           "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig", "StateSpec",
-           "parse_config"]
+           "ModelArgs", "ModelSpec", "PagedLM", "Qwen3NextForCausalLM", "RecurrentSpec",
+           "RopeConfig", "StateSpec", "parse_config"]

@@ -67,6 +67,16 @@ VARIANTS = {
         rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
                              beta_fast=32.0, beta_slow=1.0, truncate=False,
                              original_max_position_embeddings=32))),
+    # The real 3:1 ratio of Gated DeltaNet to gated attention layers; MoE layers (4 experts,
+    # top-2, a shared expert) but layer 1, dense (mlp_only_layers); RoPE on half of each head.
+    "qwen3-next": (transformers.Qwen3NextConfig, dict(
+        num_hidden_layers=4, head_dim=16, partial_rotary_factor=0.5,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1])),
 }
 
 # The attention-only variants' pools: (kind, window, layers in the pool), in the engine's
@@ -89,6 +99,7 @@ FAMILY_VARIANTS = [
     "gemma3",
     "lfm2",
     "gpt-oss",
+    "qwen3-next",
 ]
 
 
