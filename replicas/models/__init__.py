@@ -11,12 +11,14 @@ from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpe
                    RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
 from .llama import LlamaForCausalLM, MistralForCausalLM
+from .nemotron_h import NemotronHForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES = {cls.__name__: cls for cls in (
-    LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    LlamaForCausalLM, MistralForCausalLM, NemotronHForCausalLM, Qwen2ForCausalLM,
+    Qwen3ForCausalLM)}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "LAYER_KINDS", "LayerSpec",
-           "MixerContext", "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig",
-           "StateSpec", "parse_config"]
+           "MixerContext", "ModelArgs", "ModelSpec", "NemotronHForCausalLM", "PagedLM",
+           "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]
