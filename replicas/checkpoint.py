@@ -21,7 +21,9 @@ its parameters:
   multi-token-prediction layers of Qwen3-Next), which transformers drops too;
 - ``checkpoint_tensor(param)`` (optional): ``(stored names, combine)`` for a parameter that
   is not stored under its own name: ``combine(*tensors)`` builds it from those tensors
-  (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``.
+  (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``;
+- ``FLOAT32_PARAMETERS``: regular expressions of parameters loaded in float32 whatever the
+  model's dtype (transformers' ``_keep_in_fp32_modules_strict``, e.g. an MoE router).
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = Non
     sources = {name: _sources(model, name) for name in expected}
     _check_names(directory, model, sources, files, args)
     device = torch.device(device)
+    float32 = [re.compile(p) for p in getattr(model, "FLOAT32_PARAMETERS", ())]
     for name, (stored, combine) in sources.items():
+        target = torch.float32 if any(p.fullmatch(name) for p in float32) else dtype
         if combine is None:
-            tensor = _read(files[stored[0]], stored[0], expected[name].shape, dtype, device)
+            tensor = _read(files[stored[0]], stored[0], expected[name].shape, target, device)
         else:
-            tensor = _combined(files, name, stored, combine, expected[name].shape, dtype,
+            tensor = _combined(files, name, stored, combine, expected[name].shape, target,
                                device)
         _set_parameter(model, name, tensor)
     model.tie_weights()

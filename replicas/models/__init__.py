@@ -15,6 +15,7 @@ from .gemma3 import Gemma3ForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
+from .nemotron_h import NemotronHForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_next import Qwen3NextForCausalLM
@@ -27,10 +28,11 @@ ARCHITECTURES = {cls.__name__: cls for cls in (
     Gemma3ForCausalLM,
     GptOssForCausalLM,
     Lfm2ForCausalLM,
+    NemotronHForCausalLM,
     Qwen3NextForCausalLM,
 )}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM",
            "GptOssForCausalLM", "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext",
-           "ModelArgs", "ModelSpec", "PagedLM", "Qwen3NextForCausalLM", "RecurrentSpec",
-           "RopeConfig", "StateSpec", "parse_config"]
+           "ModelArgs", "ModelSpec", "NemotronHForCausalLM", "PagedLM",
+           "Qwen3NextForCausalLM", "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]

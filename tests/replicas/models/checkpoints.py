@@ -21,6 +21,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_atten
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+NEMOTRON_H = dict(head_dim=24, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+                  n_groups=2, conv_kernel=4, chunk_size=16, time_step_min=1e-6,
+                  time_step_floor=1e-2)
+
 # name: (config class, its fields beyond COMMON)
 VARIANTS = {
     "llama": (transformers.LlamaConfig, dict(num_hidden_layers=2)),
@@ -77,6 +81,17 @@ VARIANTS = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         mlp_only_layers=[1])),
+    # Mamba-2, attention (no RoPE), MLP; chunk_size 16 puts scan-chunk boundaries inside our
+    # prompts. time_step_min is tiny (dt_bias drawn at least softplus^-1(time_step_floor)),
+    # so the clamp at time_step_min, which transformers' one-token decode step leaves out
+    # (nemotron_h.py), never changes a value and generate stays a valid oracle.
+    "nemotron-h": (transformers.NemotronHConfig, dict(NEMOTRON_H,
+                                                      hybrid_override_pattern="M*M-")),
+    # ... and an MoE layer: 8 experts in 2 groups (1 chosen), 2 per token, a latent projection.
+    "nemotron-h-moe": (transformers.NemotronHConfig, dict(
+        NEMOTRON_H, hybrid_override_pattern="ME*M", n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5)),
 }
 
 # The attention-only variants' pools: (kind, window, layers in the pool), in the engine's
@@ -100,6 +115,8 @@ FAMILY_VARIANTS = [
     "lfm2",
     "gpt-oss",
     "qwen3-next",
+    "nemotron-h",
+    "nemotron-h-moe",
 ]
 
 
