@@ -53,7 +53,23 @@ def gemma3_config(quick: bool):
                                             "factor": 8.0}})
 
 
-FAMILIES = {"gemma3": gemma3_config}
+def qwen3_next_config(quick: bool):
+    """Qwen3-Next's shape: 3 Gated DeltaNet : 1 gated attention layers, MoE with a shared
+    expert, RoPE on a quarter of each head."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=QUICK_VOCAB if quick else VOCAB, hidden_size=256 if quick else 512,
+        num_hidden_layers=4 if quick else 8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32 if quick else 64, layer_types=None, full_attention_interval=4,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32 if quick else 64,
+        linear_value_head_dim=32 if quick else 64, linear_conv_kernel_dim=4,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128 if quick else 256,
+        shared_expert_intermediate_size=256 if quick else 512, intermediate_size=1024,
+        max_position_embeddings=8192)
+
+
+FAMILIES = {"gemma3": gemma3_config, "qwen3-next": qwen3_next_config}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
