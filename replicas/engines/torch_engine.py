@@ -44,11 +44,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvcache import CacheConfig, FullAttention, PageLayout, Recurrent, SlidingWindow
+from kvcache import CacheConfig, PageLayout
 from replicas.engines.base import Engine, SamplingParams, StepItem
 from replicas.engines.paged import Batch, PagedContext, plan_batch
-from replicas.models.base import (LAYER_KINDS, AttentionSpec, LayerSpec, ModelSpec, PagedLM,
-                                  RecurrentSpec)
+from replicas.engines.pools import PoolPlan
+from replicas.models.base import AttentionSpec, PagedLM
 
 # Prefill rate before any measurement: an assumed arithmetic rate over 2 FLOPs/parameter.
 _ASSUMED_FLOPS = {"cpu": 1.5e10, "cuda": 2e12}
@@ -66,15 +66,12 @@ class TorchEngine(Engine):
         self.spec = model.spec
         self.device = next(model.parameters()).device
         self.num_parameters = sum(p.numel() for p in model.parameters())
-        pools = _pools(self.spec)
-        self.kinds = tuple(kind for kind, _ in pools)  # per pool
-        self.windows = tuple(window for _, window in pools)  # per pool: None unless sliding
-        self.pool_layers = tuple(
-            tuple(i for i, spec in enumerate(self.spec.layers) if _pool_key(spec) == pool)
-            for pool in pools)
-        self.slots = {layer: (pool, slot) for pool, layers in enumerate(self.pool_layers)
-                      for slot, layer in enumerate(layers)}
-        self.pool_specs = tuple(_pool_spec(self.spec, layers) for layers in self.pool_layers)
+        self.pools = PoolPlan.of(self.spec)
+        self.kinds = self.pools.kinds  # per pool
+        self.windows = self.pools.windows  # per pool: None unless sliding
+        self.pool_layers = self.pools.layers
+        self.slots = self.pools.slots
+        self.pool_specs = self.pools.specs
         self.tokens_per_block: int | None = None
         self.storage: dict[int, Tensor] | None = None
         flops = _ASSUMED_FLOPS.get(self.device.type, _ASSUMED_FLOPS["cpu"])
@@ -108,39 +105,24 @@ class TorchEngine(Engine):
 
     def cache_config(self, num_pages: int, tokens_per_block: int,
                      enable_partial_reuse: bool) -> CacheConfig:
-        life = {"full": lambda w: FullAttention(), "sliding": lambda w: SlidingWindow(window=w),
-                "recurrent": lambda w: Recurrent()}
-        if isinstance(num_pages, (tuple, list)) and len(num_pages) != len(self.kinds):
-            raise ValueError(f"{len(num_pages)} page counts for this model's {len(self.kinds)} "
-                             f"pools ({', '.join(self.pool_names())}); give one per pool")
+        config = self.pools.cache_config(num_pages, tokens_per_block, enable_partial_reuse)
         self.tokens_per_block = tokens_per_block
         # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes)
         self.page_rows = tuple(None if kind == "recurrent" else len(layers) * 2 * tokens_per_block
                                for kind, layers in zip(self.kinds, self.pool_layers))
-        return CacheConfig(tokens_per_block=tokens_per_block, num_pages=num_pages,
-                           life_cycles=tuple(life[k](w) for k, w in zip(self.kinds,
-                                                                         self.windows)),
-                           enable_partial_reuse=enable_partial_reuse)
+        return config
 
     def page_layouts(self) -> list[PageLayout]:
         """One layout per pool; needs ``cache_config`` first (pages span a block)."""
         if self.tokens_per_block is None:
             raise RuntimeError("call cache_config() before page_layouts(): an attention "
                                "page's shape includes tokens_per_block")
-        layouts = []
-        for spec, layers in zip(self.pool_specs, self.pool_layers):
-            if isinstance(spec, RecurrentSpec):  # a row of float32 per layer: its states
-                layouts.append(PageLayout((len(layers), spec.numel), "float32",
-                                          str(self.device)))
-            else:
-                shape = (len(layers), 2, self.tokens_per_block, spec.n_kv_heads, spec.head_dim)
-                layouts.append(PageLayout(shape, _dtype_name(self.spec.dtype), str(self.device)))
-        return layouts
+        return self.pools.page_layouts(self.tokens_per_block, _dtype_name(self.spec.dtype),
+                                       str(self.device))
 
     def pool_names(self) -> list[str]:
         """``full``, ``sliding(W)``, ``recurrent`` per pool, for messages and statistics."""
-        return [kind if window is None else f"{kind}({window})"
-                for kind, window in zip(self.kinds, self.windows)]
+        return self.pools.names()
 
     def bind(self, manager) -> None:
         """Use ``manager``'s pages (its tokens_per_block becomes this engine's)."""
@@ -251,29 +233,6 @@ class TorchEngine(Engine):
                 "windows": sorted({w for w in self.windows if w is not None}),
                 "pools": self.pool_names(),
                 "vocab_size": s.vocab_size, "max_model_len": s.max_model_len}
-
-
-def _pool_key(spec: LayerSpec) -> tuple[str, int | None] | None:
-    """The pool a layer's cache lives in: (kind, window), None for a layer without one."""
-    return None if spec is None else (spec.kind, getattr(spec, "window", None))
-
-
-def _pools(spec: ModelSpec) -> list[tuple[str, int | None]]:
-    """The model's pools: full, sliding (smallest window first), recurrent."""
-    keys = {_pool_key(layer) for layer in spec.layers} - {None}
-    return sorted(keys, key=lambda key: (LAYER_KINDS.index(key[0]), key[1] or 0))
-
-
-def _pool_spec(spec: ModelSpec, layers: tuple[int, ...]) -> AttentionSpec | RecurrentSpec:
-    """What a page of the pool of ``layers`` holds; they must agree on it (one page holds
-    them all). Attention layers may differ in scale and sinks, not in their K/V shape."""
-    specs = [spec.layers[i] for i in layers]
-    shapes = {(s.n_kv_heads, s.head_dim) if isinstance(s, AttentionSpec) else s.states
-              for s in specs}
-    if len(shapes) != 1:
-        raise ValueError(f"layers {list(layers)} share a pool but differ in what they cache "
-                         f"({sorted(map(str, shapes))}): one page holds all of them")
-    return specs[0]
 
 
 def _device(device: str | torch.device | None) -> torch.device:

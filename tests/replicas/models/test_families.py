@@ -87,12 +87,11 @@ def test_a_conversation_resumes_each_turn_where_the_last_one_ended(family):
     with recurrent layers (the state snapshotted where that history ended, mid-block)."""
     directory, hf = family
     served = Served(directory, TPB)
-    prompt = tokens(10, 30)
+    prompt, history = tokens(10, 30), 0
     for turn in range(3):
         run = served.one(prompt)
         assert run.tokens == hf_generate(hf, prompt), f"turn {turn}"
-        if turn:
-            assert run.cached_tokens == run.probed == history, f"turn {turn}"
+        assert run.cached_tokens == run.probed == history, f"turn {turn}"
         history = len(prompt) + N_NEW - 1
         prompt = prompt + run.tokens + tokens(11 + turn, 7)
 
