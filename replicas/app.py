@@ -277,7 +277,8 @@ def _pools(service: ReplicaService, pools) -> list[dict]:
     """The manager's pool statistics, with what the engine says of each pool: how many of
     the model's layers keep their cache there and the bytes of one page."""
     layers = getattr(service.engine, "pool_layers", None)
-    sizes = [None] * len(pools)
+    planned = getattr(service.engine, "pool_page_bytes", lambda: None)()  # sim of a model
+    sizes = list(planned) if planned else [None] * len(pools)
     storage = [service.manager.page_storage(i) for i in range(len(pools))]
     for i, store in enumerate(storage):
         if store is not None:

@@ -62,6 +62,17 @@ def read_config(directory: str | Path):
     return family(raw, str(path)).parse_config(raw, str(path))
 
 
+def read_spec(directory: str | Path, dtype: str | torch.dtype | None = None):
+    """The layer specs (``ModelSpec``) of ``directory``'s model, from its config alone:
+    the model is built on the meta device (no memory, no weights read). For the sim engine,
+    which keeps a model's pools and reuse rules without computing it. Raises
+    ``CheckpointError``."""
+    args = read_config(directory)
+    with torch.device("meta"):
+        model = ARCHITECTURES[args.architecture](args, _dtype(dtype))
+    return model.spec, args
+
+
 def family(raw: dict, source: str) -> type:
     """The model class of ``config.json``'s one ``architectures`` entry."""
     archs = raw.get("architectures")

@@ -17,6 +17,9 @@ snapshot), which can weigh as much as dozens of blocks. So each pool gets its ow
   pool has the same number of pages (a cached block keeps a page in each), and the
   recurrent pool, when there is one beside them, ``RECURRENT_SHARE`` of the bytes (at least
   ``2 * max_num_seqs`` pages: a live state per running sequence, and as many snapshots);
+- ``--kv-cache-bytes B``: that budget, split as above, for any engine; for the sim engine
+  of a model (``--engine sim --model DIR``, no storage) from the sizes its pages would
+  have on a torch replica, so a sim replica's pools are a real replica's;
 - engines without page storage (``sim``): ``DEFAULT_PAGES`` (or ``--kv-pages``) per pool.
 """
 
@@ -79,12 +82,22 @@ def plan_kv_pages(settings, engine) -> KVPlan:
     """The pages of each pool to reserve for ``engine`` under ``settings``."""
     layouts = _layouts(settings, engine)
     sizes = tuple(_layout_bytes(layout) for layout in layouts) if layouts else ()
+    if not sizes:  # no storage: the sizes a torch replica's pages would have, if known
+        sizes = tuple(getattr(engine, "pool_page_bytes", lambda: None)() or ())
     per_page = sum(sizes)
+    kinds = list(getattr(engine, "kinds", ())) or ["full"] * len(sizes)
     if settings.kv_pages is not None:
         return KVPlan(_explicit(settings.kv_pages), per_page, "--kv-pages", sizes)
+    if settings.kv_cache_bytes is not None:
+        if not per_page:
+            raise ValueError("--kv-cache-bytes needs a model whose page sizes are known "
+                             "(--engine torch, or --engine sim --model DIR); give --kv-pages")
+        source = f"--kv-cache-bytes {settings.kv_cache_bytes}"
+        return KVPlan(_split(settings.kv_cache_bytes, sizes, kinds, settings.max_num_seqs,
+                             source), per_page, source, sizes)
     device = getattr(engine, "device", None)
     fraction = settings.kv_memory_fraction
-    if not per_page or device is None:
+    if not layouts or device is None:
         return KVPlan(DEFAULT_PAGES, per_page, "default for this engine", sizes)
     if device.type == "cuda":
         budget = _cuda_budget(device, fraction or DEFAULT_CUDA_FRACTION)
@@ -95,7 +108,6 @@ def plan_kv_pages(settings, engine) -> KVPlan:
     else:
         return KVPlan(DEFAULT_PAGES, per_page, "default on the CPU; set --kv-pages or "
                       "--kv-memory-fraction for more", sizes)
-    kinds = list(getattr(engine, "kinds", ())) or ["full"] * len(sizes)
     return KVPlan(_split(budget, sizes, kinds, settings.max_num_seqs, source), per_page,
                   source, sizes)
 

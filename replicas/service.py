@@ -59,7 +59,7 @@ class ReplicaService:
         # a checkpoint is loaded
         self.tracing = _tracing(settings, tracer_provider)
         # a checkpoint's tokenizer (or --tokenizer's), else byte-level
-        self.tokenizer = load_tokenizer(settings.tokenizer or settings.model)
+        self.tokenizer = load_tokenizer(settings.tokenizer or _checkpoint_tokenizer(settings))
         self.engine = engine or make_engine(settings, self.tokenizer)
         _check_vocabularies(self.tokenizer.vocab_size, self.engine.vocab_size)
         plan = plan_kv_pages(settings, self.engine)
@@ -327,3 +327,12 @@ def _decode_b64(data: str, param: str) -> array:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def _checkpoint_tokenizer(settings: ReplicaSettings) -> str | None:
+    """The checkpoint's tokenizer: required for the torch engine; for the sim engine, which
+    reads a checkpoint's config only, byte-level when the directory has none."""
+    model = settings.model
+    if model is None or settings.engine == "torch":
+        return model
+    return model if (Path(model) / "tokenizer.json").is_file() else None

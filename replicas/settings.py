@@ -20,9 +20,10 @@ class ReplicaSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=9001, ge=0, le=65535)
     engine: Literal["sim", "torch"] = "sim"
-    # A Hugging Face checkpoint directory for --engine torch (config.json, *.safetensors,
-    # tokenizer.json, tokenizer_config.json, generation_config.json); without it the torch
-    # engine runs a seeded preset (--preset) with the byte-level tokenizer.
+    # A Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json,
+    # tokenizer_config.json, generation_config.json); without it the torch engine runs a
+    # seeded preset (--preset) with the byte-level tokenizer. With --engine sim only its
+    # config (the model's pools and reuse rules) and its tokenizer, if it has one, are read.
     model: Optional[str] = None
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None  # default: float32
     served_model_name: Optional[str] = None  # default: the checkpoint directory's name
@@ -35,6 +36,9 @@ class ReplicaSettings(BaseSettings):
     # unset: sized from memory (replicas/kv_sizing.py)
     kv_pages: Annotated[Optional[Union[int, tuple[int, ...]]], NoDecode] = None
     kv_memory_fraction: Optional[float] = Field(default=None, gt=0, le=1)
+    # a KV budget in bytes, split between the pools as the memory share is (also for the sim
+    # engine of a model: its pools are then sized as a torch replica's would be)
+    kv_cache_bytes: Optional[int] = Field(default=None, ge=1)
     tokens_per_block: int = Field(default=32, ge=1)
     enable_partial_reuse: bool = True
     # scheduler and limits
@@ -94,15 +98,11 @@ class ReplicaSettings(BaseSettings):
 
 
 def _check_engine_fields(settings: ReplicaSettings) -> ReplicaSettings:
-    if settings.model is not None and settings.engine != "torch":
-        raise ValueError(f"--model {settings.model!r} names a checkpoint for --engine torch; "
-                         f"the {settings.engine!r} engine takes none (use --served-model-name "
-                         "to choose the name it is served under)")
     if settings.tokenizer is not None and settings.engine == "torch" and settings.model is None:
         raise ValueError(f"--tokenizer {settings.tokenizer!r} with a seeded preset: the "
                          "presets have the byte-level vocabulary; give --model DIR (its "
                          "tokenizer is used) or --engine sim")
-    if settings.dtype is not None and settings.model is None:
+    if settings.dtype is not None and settings.model is None:  # (sim: the pages' sizes)
         raise ValueError("--dtype applies to a checkpoint (--model DIR); the seeded presets "
                          "run in float32")
     return settings

@@ -1,5 +1,6 @@
-"""Engines by name: ``sim`` (timing model) and ``torch`` (a transformer on the KV pages: a
-Hugging Face checkpoint with ``--model DIR``, else a seeded preset)."""
+"""Engines by name: ``sim`` (timing model; with ``--model DIR`` the pools and reuse rules of
+that checkpoint's model, from its config alone) and ``torch`` (a transformer on the KV
+pages: a Hugging Face checkpoint with ``--model DIR``, else a seeded preset)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,16 @@ def make_engine(settings: ReplicaSettings, tokenizer: Tokenizer | None = None) -
             decode_per_seq_s=settings.sim_decode_per_seq_s,
             speedup=settings.sim_speedup,
         )
-        return SimEngine(timing, max_model_len=settings.max_model_len or 32768,
-                         alphabet=text_alphabet(tokenizer) if tokenizer is not None else None)
+        spec, info = None, {}
+        if settings.model is not None:  # the model's config: its pools and reuse rules
+            from ..checkpoint import read_spec
+
+            spec, args = read_spec(settings.model, settings.dtype)
+            info = {"model": settings.model, "architecture": args.architecture}
+        default_len = spec.max_model_len if spec is not None else 32768
+        return SimEngine(timing, max_model_len=settings.max_model_len or default_len,
+                         alphabet=text_alphabet(tokenizer) if tokenizer is not None else None,
+                         spec=spec, info=info)
     if settings.engine == "torch":
         from .torch_engine import TorchEngine  # imports torch only when asked for
 

@@ -10,7 +10,15 @@ engine); only the model's compute is replaced by sleeping for the time it would 
 
 ``prefill_tokens`` counts only the tokens actually computed, so reuse shortens the step:
 that is the effect the router exploits. ``speedup`` scales every cost (load tests run
-faster than real time). Sampled tokens are lowercase letters and spaces from a per-sequence
+faster than real time).
+
+With a model's layer specs (``--engine sim --model DIR``: the checkpoint's config, never its
+weights) the sim replica has that model's pools and reuse rules (``pools.PoolPlan``: the
+torch engine's) and charges each layer kind its own cost per computed token: every layer
+one unit (projections, MLP), an attention layer also one unit per ``KEYS_PER_UNIT`` keys it
+attends to (all earlier tokens, or its window), a recurrent layer nothing more (its state
+is of fixed size). ``prefill_tokens_per_s`` is then the rate of short prompts (keys cost
+nothing yet), and a decode step's per-sequence cost grows likewise with what it attends. Sampled tokens are lowercase letters and spaces from a per-sequence
 generator (seeded by ``seed`` when given), so outputs are valid text and reproducible: the
 ids of those characters under the replica's tokenizer (``text_alphabet``), byte-level
 unless ``--tokenizer`` names another.
@@ -28,7 +36,11 @@ from kvcache import CacheConfig, FullAttention
 from .base import Engine, StepItem
 
 if TYPE_CHECKING:
+    from ..models.base import ModelSpec
     from ..text import Tokenizer
+    from .pools import PoolPlan
+
+KEYS_PER_UNIT = 4096  # an attention layer attending to this many keys costs one unit more
 
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz "
 _BYTE_ALPHABET = [ord(c) for c in CHARACTERS]  # the byte-level tokenizer's ids
@@ -82,25 +94,64 @@ class SimEngine(Engine):
     name = "sim"
 
     def __init__(self, timing: SimTiming | None = None, max_model_len: int = 32768,
-                 alphabet: list[int] | None = None) -> None:
+                 alphabet: list[int] | None = None, spec: ModelSpec | None = None,
+                 info: dict | None = None) -> None:
         """``alphabet``: the token ids it samples (``text_alphabet`` of the replica's
-        tokenizer); default the byte-level tokenizer's."""
+        tokenizer); default the byte-level tokenizer's. ``spec``: a model's layers (its
+        pools, reuse rules and per-layer costs); None: one full-attention pool."""
         self.timing = timing or SimTiming()
         self._max_model_len = max_model_len
         self.alphabet = list(alphabet) if alphabet is not None else _BYTE_ALPHABET
+        self.spec, self.info = spec, dict(info or {})
+        self.pools: PoolPlan | None = None
+        self._tpb = 1
+        if spec is not None:
+            from .pools import PoolPlan
+
+            self.pools = PoolPlan.of(spec)
+            self.kinds, self.windows = self.pools.kinds, self.pools.windows
+            self.pool_layers = self.pools.layers
+            self._windows = [layer.window for layer in spec.layers
+                             if layer is not None and layer.kind != "recurrent"]
+            self._max_model_len = min(max_model_len, spec.max_model_len)
 
     def cache_config(self, num_pages: int, tokens_per_block: int,
                      enable_partial_reuse: bool) -> CacheConfig:
+        self._tpb = tokens_per_block
+        if self.pools is not None:
+            return self.pools.cache_config(num_pages, tokens_per_block, enable_partial_reuse)
         return CacheConfig(tokens_per_block=tokens_per_block, num_pages=num_pages,
                            life_cycles=(FullAttention(),),
                            enable_partial_reuse=enable_partial_reuse)
 
+    def pool_names(self) -> list[str]:
+        return self.pools.names() if self.pools is not None else ["full"]
+
+    def pool_page_bytes(self) -> tuple[int, ...] | None:
+        """What one page of each pool would take on a torch replica of the model (the sim
+        allocates none): the sizes its pools are planned from (``--kv-cache-bytes``)."""
+        if self.pools is None:
+            return None
+        dtype = str(self.spec.dtype).removeprefix("torch.")
+        return self.pools.page_bytes(self._tpb, dtype)
+
+    def _cost(self, item: StepItem) -> float:
+        """The item's work in token-units, relative to one token of a model whose layers
+        attend to nothing (``spec`` None: its tokens)."""
+        n = len(item.tokens)
+        if self.spec is None:
+            return float(n)
+        keys = sum(_visible_keys(item.start, n, window) for window in self._windows)
+        return n + keys / (KEYS_PER_UNIT * len(self.spec.layers))
+
     async def step(self, items: list[StepItem]) -> list[int | None]:
         prefill = [it for it in items if it.is_prefill]
+        decode = [it for it in items if not it.is_prefill]
+        weight = (sum(self._cost(it) for it in decode) / len(decode)) if decode else 1.0
         seconds = self.timing.step_seconds(
-            prefill_tokens=sum(len(it.tokens) for it in prefill),
+            prefill_tokens=sum(self._cost(it) for it in prefill),
             prefill_seqs=len(prefill),
-            decode_seqs=len(items) - len(prefill),
+            decode_seqs=len(decode) * weight,
         )
         await asyncio.sleep(seconds)
         return [self._sample(it) if it.sample is not None else None for it in items]
@@ -122,6 +173,22 @@ class SimEngine(Engine):
 
     def describe(self) -> dict:
         t = self.timing
-        return {"engine": self.name, "prefill_tokens_per_s": t.prefill_tokens_per_s,
-                "step_overhead_s": t.step_overhead_s, "decode_per_seq_s": t.decode_per_seq_s,
-                "speedup": t.speedup}
+        out = {"engine": self.name, **self.info, "prefill_tokens_per_s": t.prefill_tokens_per_s,
+               "step_overhead_s": t.step_overhead_s, "decode_per_seq_s": t.decode_per_seq_s,
+               "speedup": t.speedup}
+        if self.spec is not None:
+            out.update(layers=list(self.spec.kinds), pools=self.pool_names(),
+                       windows=sorted({w for w in self.windows if w is not None}),
+                       max_model_len=self._max_model_len)
+        return out
+
+
+def _visible_keys(start: int, n: int, window: int | None) -> int:
+    """Keys the tokens at positions ``start .. start+n-1`` attend to, together: position
+    p sees p + 1 keys, or ``window`` once p + 1 exceeds it."""
+    end = start + n
+    if window is None or window >= end:
+        return (start + 1 + end) * n // 2
+    ramp_end = max(start, min(end, window))  # positions below window - 1 see p + 1 keys
+    ramp = (start + 1 + ramp_end) * (ramp_end - start) // 2
+    return ramp + (end - ramp_end) * window

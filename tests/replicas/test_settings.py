@@ -54,7 +54,7 @@ def test_defaults():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "/models/x"], "names a checkpoint for --engine torch"),
+    (["--engine", "sim", "--dtype", "bfloat16"], "--dtype applies to a checkpoint"),
     (["--engine", "torch", "--dtype", "bfloat16"], "--dtype applies to a checkpoint"),
 ])
 def test_checkpoint_flags_are_refused_where_they_mean_nothing(argv, message):

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from kvcache import KVCacheManager, ReuseScope
+from replicas.checkpoint import read_spec
 from replicas.engines.base import SamplingParams
+from replicas.engines.sim import SimEngine, SimTiming
 from replicas.engines.torch_engine import TorchEngine
 from replicas.scheduler import Scheduler, SchedulerConfig
 from replicas.sequence import FinishEvent, Sequence, TokenEvent
@@ -43,8 +45,13 @@ class Served:
 
     def __init__(self, directory, tokens_per_block: int = 8, pages: int | tuple = 128,
                  max_batched_tokens: int = 2048, max_num_seqs: int = 16,
-                 partial_reuse: bool = True) -> None:
-        self.engine = TorchEngine.from_checkpoint(directory, device=DEVICE)
+                 partial_reuse: bool = True, engine: str = "torch") -> None:
+        """``engine="sim"``: the sim engine of the checkpoint's config (its pools and reuse
+        rules, no weights), at a high speed-up."""
+        if engine == "sim":
+            self.engine = SimEngine(SimTiming(speedup=1e6), spec=read_spec(directory)[0])
+        else:
+            self.engine = TorchEngine.from_checkpoint(directory, device=DEVICE)
         self.manager = KVCacheManager(
             self.engine.cache_config(pages, tokens_per_block, partial_reuse),
             self.engine.page_layouts())
