@@ -2,9 +2,11 @@
 
 Each step the scheduler
 1. grows every running sequence by its next piece of work: one token to decode, or the
-   next prefill chunk (chunks end on block boundaries, and where the attention layers could
-   have reused more than the recurrent snapshots allowed, so snapshots land where later
-   prompts can reuse them);
+   next prefill chunk (chunks end on block boundaries; with recurrent layers also where
+   snapshots should land, since a snapshot is kept where a commit ends on a block
+   boundary: where the attention layers could have reused more than the snapshots allowed
+   (a branch point), at the prompt's last block boundary (the next turn, or the same
+   prompt again, resumes there at least), and every ``snapshot_interval_blocks`` blocks);
 2. admits waiting sequences, first come first served, while the step's prefill token
    budget, ``max_num_seqs`` and the KV pages allow (a sequence that does not fit waits:
    backpressure, not failure);
@@ -42,6 +44,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_batched_tokens: int = 2048
     max_waiting: int = 512
+    # with recurrent layers, a prefill chunk also ends every this many blocks (a snapshot
+    # there: more reuse for forks, a page of the recurrent pool each); None: off
+    snapshot_interval_blocks: int | None = None
 
 
 class SchedulerObserver:
@@ -65,6 +70,7 @@ class Scheduler:
         self._abort_reason: dict[Sequence, str] = {}
         self._wakeup = asyncio.Event()
         self._tpb = manager.config.tokens_per_block
+        self._recurrent = manager.layout.recurrent is not None
         self.steps = 0
         self.preemptions = 0
 
@@ -153,16 +159,34 @@ class Scheduler:
     def _next_end(self, seq: Sequence, budget: int) -> int:
         """End of the next piece of work: a prefill chunk (block-aligned) or one token.
 
-        A chunk also ends at ``seq.snapshot_at``: where the attention layers could have
-        reused more than the recurrent snapshots allowed, so that a snapshot is kept there
-        (the next request sharing that prefix reuses it)."""
+        With recurrent layers a chunk also ends where a snapshot should be kept
+        (``_snapshot_stop``)."""
         start, total = seq.num_computed, seq.num_tokens
         end = min(total, start + max(1, budget))
-        if start < seq.snapshot_at < end:
-            return seq.snapshot_at
+        if self._recurrent and end - start > 1:
+            stop = self._snapshot_stop(seq, start, end)
+            if stop is not None:
+                return stop
         if end < total and end - end % self._tpb > start:
             end -= end % self._tpb
         return end
+
+    def _snapshot_stop(self, seq: Sequence, start: int, end: int) -> int | None:
+        """The first block boundary in ``(start, end)`` where a snapshot should land:
+        ``seq.snapshot_at`` (where the attention layers could have reused more than the
+        snapshots allowed: the next request sharing that prefix resumes there), every
+        ``snapshot_interval_blocks`` blocks, and the prompt's last block boundary before
+        its last token (a later turn, or the same prompt again, probes at least that
+        far). None when there is none."""
+        tpb, stops = self._tpb, [seq.snapshot_at]
+        interval = self.config.snapshot_interval_blocks
+        if interval:
+            step = interval * tpb
+            stops.append((start // step + 1) * step)
+        if start < len(seq.prompt):
+            stops.append((len(seq.prompt) - 1) // tpb * tpb)
+        inside = [stop for stop in stops if start < stop < end]
+        return min(inside) if inside else None
 
     def _grow(self, seq: Sequence, end: int) -> bool:
         """Make room for ``end`` tokens, preempting the newest sequences if needed."""

@@ -76,6 +76,7 @@ class ReplicaService:
         self.metrics = ReplicaMetrics(self.model_id)
         self.scheduler = Scheduler(self.manager, self.engine, SchedulerConfig(
             max_num_seqs=settings.max_num_seqs, max_batched_tokens=settings.max_batched_tokens,
+            snapshot_interval_blocks=settings.snapshot_interval_blocks,
             max_waiting=settings.max_waiting), observer=self.metrics)
         self.metrics.bind(self.scheduler)
         self.created = int(time.time())

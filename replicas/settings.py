@@ -46,6 +46,9 @@ class ReplicaSettings(BaseSettings):
     max_batched_tokens: int = Field(default=2048, ge=1)
     max_waiting: int = Field(default=512, ge=0)
     max_model_len: Optional[int] = Field(default=None, ge=2)
+    # models with recurrent layers: also keep a snapshot every N blocks of a prefill (more
+    # reuse for forks inside long prompts, one recurrent page each); unset: off
+    snapshot_interval_blocks: Optional[int] = Field(default=None, ge=1)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1024)
     default_max_tokens: int = Field(default=16, ge=1)  # completions, as OpenAI's default
     default_chat_max_tokens: int = Field(default=256, ge=1)

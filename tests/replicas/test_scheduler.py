@@ -181,7 +181,9 @@ def test_a_failed_step_leaves_no_recurrent_snapshot_of_its_half_written_state():
 
 def test_a_hybrid_prefill_chunk_ends_where_the_attention_layers_could_reuse():
     """The second request shares 40 tokens the attention layers could reuse but no snapshot
-    lies there: its prefill ends a chunk at 40, so the third request reuses 40."""
+    lies there: its prefill ends a chunk at 40, so the third request reuses 40. Every
+    prefill also ends a chunk at its prompt's last block boundary before the last token
+    (44 of 46 tokens), where a snapshot is kept too."""
     mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=64,
                                      life_cycles=(FullAttention(), Recurrent())))
     engine = RecordingEngine()
@@ -195,4 +197,50 @@ def test_a_hybrid_prefill_chunk_ends_where_the_attention_layers_could_reuse():
     assert reused == [(0, 0), (0, 40), (40, 40)]
     prefill_chunks = [[(start, n) for _, start, n, _ in batch if n > 1]
                       for batch in engine.batches]
-    assert [c for c in prefill_chunks if c] == [[(0, 46)], [(0, 40)], [(40, 6)], [(40, 6)]]
+    assert [c for c in prefill_chunks if c] == [[(0, 44)], [(44, 2)], [(0, 40)], [(40, 4)],
+                                                [(44, 2)], [(40, 4)], [(44, 2)]]
+
+
+def hybrid(**cfg):
+    mgr = KVCacheManager(CacheConfig(tokens_per_block=TPB, num_pages=64,
+                                     life_cycles=(FullAttention(), Recurrent())))
+    engine = RecordingEngine()
+    return mgr, engine, Scheduler(mgr, engine, SchedulerConfig(**cfg))
+
+
+def test_the_same_prompt_again_resumes_at_its_last_block_boundary():
+    """A 30-token prompt's prefill stops at 28 (its last block boundary before token 29), so
+    a snapshot is kept there: sent again, it reuses 28 (the probe covers prompt[:-1])."""
+    mgr, engine, sched = hybrid()
+    runs = [seq(name, range(1, 31)) for name in "ab"]
+    for s in runs:
+        run_all(sched, [s])
+    assert [s.cached_tokens for s in runs] == [0, 28]
+    assert [b for b in engine.batches if b[0][2] > 1] == [[("a", 0, 28, False)],
+                                                          [("a", 28, 2, True)],
+                                                          [("b", 28, 2, True)]]
+
+
+def test_a_snapshot_every_n_blocks_lets_forks_resume_inside_a_long_prompt():
+    """With snapshot_interval_blocks=2 (8 tokens) a 30-token prompt's prefill ends chunks at
+    8, 16, 24 and 28; a fork at 21 resumes from the snapshot at 16, one at 27 from 24.
+    Without it the first fork finds none (and leaves one at its branch point, 20, which the
+    second then resumes from)."""
+    def forks(**cfg):
+        _, _, sched = hybrid(**cfg)
+        run_all(sched, [seq("h", range(1, 31))])
+        out = []
+        for cut in (21, 27):
+            s = seq(f"f{cut}", list(range(1, cut + 1)) + [200, 201, 202])
+            run_all(sched, [s])
+            out.append((s.cached_tokens, s.cached_tokens_before_hybrid_pruning))
+        return out
+
+    assert forks(snapshot_interval_blocks=2) == [(16, 21), (24, 27)]
+    assert forks() == [(0, 21), (20, 27)]
+
+
+def test_attention_only_models_split_no_chunk_for_snapshots():
+    mgr, engine, sched = make()
+    run_all(sched, [seq("a", range(1, 31))])
+    assert engine.batches[0] == [("a", 0, 30, True)]

@@ -66,15 +66,17 @@ def test_prefill_logits_match_transformers(family):
 def test_cold_and_a_shared_prefix_longer_than_every_window(family):
     """A 37-token shared prefix (longer than the windows of 12, ending inside a block). The
     second request reuses all of it on attention-only models; with recurrent layers none
-    (no snapshot inside it yet: its prefill stops at 32, where the attention layers matched
-    a block, so that one is kept); the third (the first again) reuses its prompt but the
-    last token on attention-only models, the snapshot at 32 with recurrent layers."""
+    (no snapshot inside it yet: the first's prefill stopped only at its last block boundary,
+    40, past where they diverge; the second's stops at 32, where the attention layers
+    matched a block, and at 40); the third (the first again) reuses its prompt but the last
+    token on attention-only models, the snapshot at its last block boundary (40) with
+    recurrent layers."""
     directory, hf = family
     system = tokens(2, 37)
     first, second = system + tokens(3, 6), system + tokens(4, 9)
     served = Served(directory, TPB)
     runs = [served.one(prompt) for prompt in (first, second, first)]
-    expected = [0, 0, 32] if recurrent(served) else [0, 37, len(first) - 1]
+    expected = [0, 0, 40] if recurrent(served) else [0, 37, len(first) - 1]
     assert [r.cached_tokens for r in runs] == [r.probed for r in runs] == expected
     assert [r.cached_tokens_before_hybrid_pruning for r in runs] == [0, 37, len(first) - 1]
     assert runs[0].tokens == runs[2].tokens == hf_generate(hf, first)
