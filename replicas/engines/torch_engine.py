@@ -8,6 +8,9 @@ full, sliding (one pool per window size), recurrent (MLP-only layers have none);
 that pool's layers together, on the model's device::
 
     full / sliding page:  [n_layers_of_pool, 2 (K, V), tokens_per_block, n_kv_heads, head_dim]
+                          or, where keys and values differ in width (``v_head_dim``, e.g.
+                          MLA's latent and shared key part), side by side:
+                          [n_layers_of_pool, tokens_per_block, n_kv_heads, head_dim + v_head_dim]
     recurrent page:       [n_recurrent_layers, sum of the layer's state sizes] float32
                           (a live state, or a snapshot; each StateSpec a slice of the row)
 
@@ -114,9 +117,12 @@ class TorchEngine(Engine):
             raise ValueError(f"{len(num_pages)} page counts for this model's {len(self.kinds)} "
                              f"pools ({', '.join(self.pool_names())}); give one per pool")
         self.tokens_per_block = tokens_per_block
-        # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes)
-        self.page_rows = tuple(None if kind == "recurrent" else len(layers) * 2 * tokens_per_block
-                               for kind, layers in zip(self.kinds, self.pool_layers))
+        # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes;
+        # [rows, KV, hd + vd] where keys and values sit side by side)
+        self.page_rows = tuple(None if kind == "recurrent"
+                               else len(layers) * self.layer_rows(pool) * tokens_per_block
+                               for pool, (kind, layers) in enumerate(zip(self.kinds,
+                                                                         self.pool_layers)))
         return CacheConfig(tokens_per_block=tokens_per_block, num_pages=num_pages,
                            life_cycles=tuple(life[k](w) for k, w in zip(self.kinds,
                                                                          self.windows)),
@@ -132,10 +138,19 @@ class TorchEngine(Engine):
             if isinstance(spec, RecurrentSpec):  # a row of float32 per layer: its states
                 layouts.append(PageLayout((len(layers), spec.numel), "float32",
                                           str(self.device)))
-            else:
+            elif spec.split_kv:
                 shape = (len(layers), 2, self.tokens_per_block, spec.n_kv_heads, spec.head_dim)
                 layouts.append(PageLayout(shape, _dtype_name(self.spec.dtype), str(self.device)))
+            else:  # keys and values of different widths, side by side
+                shape = (len(layers), self.tokens_per_block, spec.n_kv_heads,
+                         spec.head_dim + spec.value_dim)
+                layouts.append(PageLayout(shape, _dtype_name(self.spec.dtype), str(self.device)))
         return layouts
+
+    def layer_rows(self, pool: int) -> int:
+        """Blocks of ``tokens_per_block`` rows one layer has in an attention page: 2 (its
+        keys, then its values), or 1 where they sit side by side in one row."""
+        return 2 if self.pool_specs[pool].split_kv else 1
 
     def pool_names(self) -> list[str]:
         """``full``, ``sliding(W)``, ``recurrent`` per pool, for messages and statistics."""
@@ -268,8 +283,8 @@ def _pool_spec(spec: ModelSpec, layers: tuple[int, ...]) -> AttentionSpec | Recu
     """What a page of the pool of ``layers`` holds; they must agree on it (one page holds
     them all). Attention layers may differ in scale and sinks, not in their K/V shape."""
     specs = [spec.layers[i] for i in layers]
-    shapes = {(s.n_kv_heads, s.head_dim) if isinstance(s, AttentionSpec) else s.states
-              for s in specs}
+    shapes = {(s.n_kv_heads, s.head_dim, s.value_dim) if isinstance(s, AttentionSpec)
+              else s.states for s in specs}
     if len(shapes) != 1:
         raise ValueError(f"layers {list(layers)} share a pool but differ in what they cache "
                          f"({sorted(map(str, shapes))}): one page holds all of them")
