@@ -21,7 +21,13 @@ its parameters:
   multi-token-prediction layers of Qwen3-Next), which transformers drops too;
 - ``checkpoint_tensor(param)`` (optional): ``(stored names, combine)`` for a parameter that
   is not stored under its own name: ``combine(*tensors)`` builds it from those tensors
-  (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``.
+  (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``;
+- ``TENSOR_ALIASES``: ``(pattern, replacement)`` pairs (``re`` syntax, whole names): where
+  a stored name a parameter needs is not in the checkpoint, the first alias that maps it
+  onto a name the checkpoint has is read instead (one family's checkpoints naming a
+  tensor two ways, e.g. Kimi Linear's dense MLPs as transformers saves them);
+- ``FLOAT32_PARAMETERS``: regular expressions of parameters kept in float32 whatever the
+  model's dtype (what transformers keeps in float32, e.g. router weights and biases).
 """
 
 from __future__ import annotations
@@ -85,14 +91,16 @@ def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = Non
     expected = dict(model.named_parameters())
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    sources = {name: _sources(model, name) for name in expected}
+    sources = _aliased(model, {name: _sources(model, name) for name in expected}, files)
     _check_names(directory, model, sources, files, args)
     device = torch.device(device)
+    float32 = [re.compile(p) for p in getattr(model, "FLOAT32_PARAMETERS", ())]
     for name, (stored, combine) in sources.items():
+        target = torch.float32 if any(p.fullmatch(name) for p in float32) else dtype
         if combine is None:
-            tensor = _read(files[stored[0]], stored[0], expected[name].shape, dtype, device)
+            tensor = _read(files[stored[0]], stored[0], expected[name].shape, target, device)
         else:
-            tensor = _combined(files, name, stored, combine, expected[name].shape, dtype,
+            tensor = _combined(files, name, stored, combine, expected[name].shape, target,
                                device)
         _set_parameter(model, name, tensor)
     model.tie_weights()
@@ -103,6 +111,26 @@ def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = Non
 def _sources(model: nn.Module, name: str) -> tuple[tuple[str, ...], object]:
     hook = getattr(model, "checkpoint_tensor", None)
     return ((name,), None) if hook is None else hook(name)
+
+
+def _aliased(model: nn.Module, sources: dict, files: dict[str, Path]) -> dict:
+    """``sources`` with each stored name the checkpoint lacks replaced by the first of the
+    family's ``TENSOR_ALIASES`` that it has (unchanged when none does: reported missing)."""
+    aliases = [(re.compile(p), r) for p, r in getattr(model, "TENSOR_ALIASES", ())]
+    if not aliases:
+        return sources
+
+    def stored_as(name: str) -> str:
+        if name in files:
+            return name
+        for pattern, replacement in aliases:
+            match = pattern.fullmatch(name)
+            if match and (alias := match.expand(replacement)) in files:
+                return alias
+        return name
+
+    return {param: (tuple(stored_as(s) for s in stored), combine)
+            for param, (stored, combine) in sources.items()}
 
 
 def _combined(files: dict[str, Path], name: str, stored: tuple[str, ...], combine,
