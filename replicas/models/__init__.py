@@ -8,10 +8,11 @@ job.
 
 from __future__ import annotations
 
-from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpec, PagedLM,
-                   RecurrentSpec, StateSpec)
+from .base import (LAYER_KINDS, AttentionSpec, History, LayerSpec, MixerContext, ModelSpec,
+                   PagedLM, RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
 from .gemma3 import Gemma3ForCausalLM
+from .kimi_linear import KimiLinearForCausalLM
 from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -24,8 +25,10 @@ ARCHITECTURES = {cls.__name__: cls for cls in (
     Qwen3ForCausalLM,
     Gemma3ForCausalLM,
     Lfm2ForCausalLM,
+    KimiLinearForCausalLM,
 )}
 
-__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM",
-           "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext", "ModelArgs",
-           "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]
+__all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM", "History",
+           "KimiLinearForCausalLM", "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext",
+           "ModelArgs", "ModelSpec", "PagedLM", "RecurrentSpec", "RopeConfig", "StateSpec",
+           "parse_config"]
