@@ -22,8 +22,12 @@ its parameters:
 - ``checkpoint_tensor(param)`` (optional): ``(stored names, combine)`` for a parameter that
   is not stored under its own name: ``combine(*tensors)`` builds it from those tensors
   (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``;
-- ``FLOAT32_PARAMETERS``: regular expressions of parameters loaded in float32 whatever the
-  model's dtype (transformers' ``_keep_in_fp32_modules_strict``, e.g. an MoE router).
+- ``TENSOR_ALIASES``: ``(pattern, replacement)`` pairs (``re`` syntax, whole names): where
+  a stored name a parameter needs is not in the checkpoint, the first alias that maps it
+  onto a name the checkpoint has is read instead (one family's checkpoints naming a
+  tensor two ways, e.g. Kimi Linear's dense MLPs as transformers saves them);
+- ``FLOAT32_PARAMETERS``: regular expressions of parameters kept in float32 whatever the
+  model's dtype (what transformers keeps in float32, e.g. router weights and biases).
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = Non
     expected = dict(model.named_parameters())
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    sources = {name: _sources(model, name) for name in expected}
+    sources = _aliased(model, {name: _sources(model, name) for name in expected}, files)
     _check_names(directory, model, sources, files, args)
     device = torch.device(device)
     float32 = [re.compile(p) for p in getattr(model, "FLOAT32_PARAMETERS", ())]
@@ -118,6 +122,26 @@ def load_checkpoint(directory: str | Path, dtype: str | torch.dtype | None = Non
 def _sources(model: nn.Module, name: str) -> tuple[tuple[str, ...], object]:
     hook = getattr(model, "checkpoint_tensor", None)
     return ((name,), None) if hook is None else hook(name)
+
+
+def _aliased(model: nn.Module, sources: dict, files: dict[str, Path]) -> dict:
+    """``sources`` with each stored name the checkpoint lacks replaced by the first of the
+    family's ``TENSOR_ALIASES`` that it has (unchanged when none does: reported missing)."""
+    aliases = [(re.compile(p), r) for p, r in getattr(model, "TENSOR_ALIASES", ())]
+    if not aliases:
+        return sources
+
+    def stored_as(name: str) -> str:
+        if name in files:
+            return name
+        for pattern, replacement in aliases:
+            match = pattern.fullmatch(name)
+            if match and (alias := match.expand(replacement)) in files:
+                return alias
+        return name
+
+    return {param: (tuple(stored_as(s) for s in stored), combine)
+            for param, (stored, combine) in sources.items()}
 
 
 def _combined(files: dict[str, Path], name: str, stored: tuple[str, ...], combine,

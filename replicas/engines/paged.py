@@ -16,6 +16,11 @@ through the storage as rows ``[num_pages * n_layers * 2 * tpb, KV, hd]``: the pl
 each new token its row in the pool's first layer's K, a layer adds its own offset, and one
 ``index_copy_`` writes K (V) of every token (advanced indexing on the 6-D storage was ~8x
 slower on the CPU).
+
+A pool whose layers cache keys and values of different widths (``AttentionSpec.v_head_dim``,
+e.g. MLA's latents) keeps them side by side, ``[num_pages, n_layers, tpb, KV, hd + vd]``:
+a token's row holds both, a layer's rows are ``tpb`` apart. Its layers read their history
+with ``PagedContext.history`` (the mixer attends itself); ``attend`` refuses them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from replicas.engines.base import StepItem
-from replicas.models.base import AttentionSpec, RecurrentSpec
+from replicas.models.base import AttentionSpec, History, RecurrentSpec
 
 if TYPE_CHECKING:
     from replicas.engines.torch_engine import TorchEngine
@@ -188,6 +193,9 @@ class PagedContext:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                sinks: Tensor | None = None) -> Tensor:
         spec = self._engine.spec.layers[layer]
+        if not spec.split_kv:
+            raise ValueError(f"layer {layer}: attend needs keys and values of one width (its "
+                             f"spec: {spec.head_dim} and {spec.value_dim}); use history()")
         pool, slot = self._engine.slots[layer]
         store = self._engine.storage[pool]
         read_pages, tpb = self._batch.read_pages[pool], self._engine.tokens_per_block
@@ -217,6 +225,47 @@ class PagedContext:
             out[a:e] = attention(q[a:e].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                  values.transpose(0, 1)[None], mask, spec,
                                  sinks)[0].transpose(0, 1)
+        return out
+
+    def history(self, layer: int, k: Tensor, v: Tensor) -> list[History]:
+        spec = self._engine.spec.layers[layer]
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"layer {layer}: history() is for attention layers, its spec is "
+                             f"{spec!r}")
+        shape = (spec.n_kv_heads, spec.head_dim), (spec.n_kv_heads, spec.value_dim)
+        if (tuple(k.shape[1:]), tuple(v.shape[1:])) != shape:
+            raise ValueError(f"layer {layer}: history() takes k [T, {shape[0][0]}, "
+                             f"{shape[0][1]}] and v [T, {shape[1][0]}, {shape[1][1]}], got "
+                             f"{list(k.shape)} and {list(v.shape)}")
+        pool, slot = self._engine.slots[layer]
+        store = self._engine.storage[pool]
+        read_pages, tpb = self._batch.read_pages[pool], self._engine.tokens_per_block
+        if spec.split_kv:  # [P, layers, 2, tpb, KV, hd]: a layer's K rows, then its V rows
+            rows = self._batch.writes[pool] + 2 * tpb * slot
+            flat = store.view(-1, *store.shape[-2:])
+            flat.index_copy_(0, rows, k)
+            flat.index_copy_(0, rows + tpb, v)
+        else:  # [P, layers, tpb, KV, hd + vd]: a token's key and value in one row
+            rows = self._batch.writes[pool] + tpb * slot
+            store.view(-1, *store.shape[-2:]).index_copy_(0, rows, torch.cat([k, v], dim=-1))
+        masks = self._masks.get(pool) or self._build_masks(pool)
+        out = []
+        for seq, mask in zip(self._batch.seqs, masks):
+            lo, first, last = seq.reads[pool]
+            read = read_pages[first:last]
+            skip, m = lo % tpb, seq.start + seq.length - lo
+            if spec.split_kv:
+                keys = torch.index_select(store[:, slot, 0], 0, read).flatten(0, 1)
+                values = torch.index_select(store[:, slot, 1], 0, read).flatten(0, 1)
+                keys, values = keys[skip:skip + m], values[skip:skip + m]
+            else:
+                entries = torch.index_select(store[:, slot], 0, read).flatten(0, 1)
+                keys, values = entries[skip:skip + m].split([spec.head_dim, spec.value_dim],
+                                                            dim=-1)
+            if mask is _CAUSAL:
+                mask = torch.ones(seq.length, m, dtype=torch.bool,
+                                  device=keys.device).tril(m - seq.length)
+            out.append(History(keys, values, lo, mask))
         return out
 
     def _build_masks(self, pool: int) -> list[Tensor | None]:

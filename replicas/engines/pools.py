@@ -63,13 +63,19 @@ class PoolPlan:
 
     def page_layouts(self, tokens_per_block: int, dtype: str, device: str) -> list[PageLayout]:
         """One layout per pool: an attention page holds one block of its layers' K and V in
-        ``dtype``, a recurrent page every recurrent layer's states in float32."""
+        ``dtype`` (``[layers, 2, tpb, KV, hd]``, or ``[layers, tpb, KV, hd + vd]`` where
+        keys and values differ in width), a recurrent page every recurrent layer's states
+        in float32."""
         layouts = []
         for spec, layers in zip(self.specs, self.layers):
             if isinstance(spec, RecurrentSpec):
                 layouts.append(PageLayout((len(layers), spec.numel), "float32", device))
-            else:
+            elif spec.split_kv:
                 shape = (len(layers), 2, tokens_per_block, spec.n_kv_heads, spec.head_dim)
+                layouts.append(PageLayout(shape, dtype, device))
+            else:  # keys and values of different widths (MLA's latents), side by side
+                shape = (len(layers), tokens_per_block, spec.n_kv_heads,
+                         spec.head_dim + spec.value_dim)
                 layouts.append(PageLayout(shape, dtype, device))
         return layouts
 
@@ -88,8 +94,8 @@ def _pool_spec(spec: ModelSpec, layers: tuple[int, ...]) -> AttentionSpec | Recu
     """What a page of the pool of ``layers`` holds; they must agree on it (one page holds
     them all). Attention layers may differ in scale and sinks, not in their K/V shape."""
     specs = [spec.layers[i] for i in layers]
-    shapes = {(s.n_kv_heads, s.head_dim) if isinstance(s, AttentionSpec) else s.states
-              for s in specs}
+    shapes = {(s.n_kv_heads, s.head_dim, s.value_dim) if isinstance(s, AttentionSpec)
+              else s.states for s in specs}
     if len(shapes) != 1:
         raise ValueError(f"layers {list(layers)} share a pool but differ in what they cache "
                          f"({sorted(map(str, shapes))}): one page holds all of them")

@@ -8,6 +8,9 @@ full, sliding (one pool per window size), recurrent (MLP-only layers have none);
 that pool's layers together, on the model's device::
 
     full / sliding page:  [n_layers_of_pool, 2 (K, V), tokens_per_block, n_kv_heads, head_dim]
+                          or, where keys and values differ in width (``v_head_dim``, e.g.
+                          MLA's latent and shared key part), side by side:
+                          [n_layers_of_pool, tokens_per_block, n_kv_heads, head_dim + v_head_dim]
     recurrent page:       [n_recurrent_layers, sum of the layer's state sizes] float32
                           (a live state, or a snapshot; each StateSpec a slice of the row)
 
@@ -107,9 +110,12 @@ class TorchEngine(Engine):
                      enable_partial_reuse: bool) -> CacheConfig:
         config = self.pools.cache_config(num_pages, tokens_per_block, enable_partial_reuse)
         self.tokens_per_block = tokens_per_block
-        # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes)
-        self.page_rows = tuple(None if kind == "recurrent" else len(layers) * 2 * tokens_per_block
-                               for kind, layers in zip(self.kinds, self.pool_layers))
+        # a page's rows in its pool's storage viewed as [rows, KV, hd] (paged.py's writes;
+        # [rows, KV, hd + vd] where keys and values sit side by side)
+        self.page_rows = tuple(None if kind == "recurrent"
+                               else len(layers) * self.layer_rows(pool) * tokens_per_block
+                               for pool, (kind, layers) in enumerate(zip(self.kinds,
+                                                                         self.pool_layers)))
         return config
 
     def page_layouts(self) -> list[PageLayout]:
@@ -119,6 +125,11 @@ class TorchEngine(Engine):
                                "page's shape includes tokens_per_block")
         return self.pools.page_layouts(self.tokens_per_block, _dtype_name(self.spec.dtype),
                                        str(self.device))
+
+    def layer_rows(self, pool: int) -> int:
+        """Blocks of ``tokens_per_block`` rows one layer has in an attention page: 2 (its
+        keys, then its values), or 1 where they sit side by side in one row."""
+        return 2 if self.pool_specs[pool].split_kv else 1
 
     def pool_names(self) -> list[str]:
         """``full``, ``sliding(W)``, ``recurrent`` per pool, for messages and statistics."""

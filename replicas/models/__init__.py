@@ -8,11 +8,12 @@ job.
 
 from __future__ import annotations
 
-from .base import (LAYER_KINDS, AttentionSpec, LayerSpec, MixerContext, ModelSpec, PagedLM,
-                   RecurrentSpec, StateSpec)
+from .base import (LAYER_KINDS, AttentionSpec, History, LayerSpec, MixerContext, ModelSpec,
+                   PagedLM, RecurrentSpec, StateSpec)
 from .config import CheckpointError, ModelArgs, RopeConfig, parse_config
 from .gemma3 import Gemma3ForCausalLM
 from .gpt_oss import GptOssForCausalLM
+from .kimi_linear import KimiLinearForCausalLM
 from .lfm2 import Lfm2ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .nemotron_h import NemotronHForCausalLM
@@ -30,9 +31,11 @@ ARCHITECTURES = {cls.__name__: cls for cls in (
     Lfm2ForCausalLM,
     NemotronHForCausalLM,
     Qwen3NextForCausalLM,
+    KimiLinearForCausalLM,
 )}
 
 __all__ = ["ARCHITECTURES", "AttentionSpec", "CheckpointError", "Gemma3ForCausalLM",
-           "GptOssForCausalLM", "LAYER_KINDS", "LayerSpec", "Lfm2ForCausalLM", "MixerContext",
-           "ModelArgs", "ModelSpec", "NemotronHForCausalLM", "PagedLM",
-           "Qwen3NextForCausalLM", "RecurrentSpec", "RopeConfig", "StateSpec", "parse_config"]
+           "GptOssForCausalLM", "History", "KimiLinearForCausalLM", "LAYER_KINDS", "LayerSpec",
+           "Lfm2ForCausalLM", "MixerContext", "ModelArgs", "ModelSpec", "NemotronHForCausalLM",
+           "PagedLM", "Qwen3NextForCausalLM", "RecurrentSpec", "RopeConfig", "StateSpec",
+           "parse_config"]

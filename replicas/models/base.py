@@ -5,7 +5,10 @@ say, and a mixer finds its history through a ``MixerContext``:
 
     AttentionSpec(n_kv_heads, head_dim, window=None)   keys and values of every token, in
         the FullAttention pool (window None) or the SlidingWindow pool of that window;
-        ``ctx.attend(layer, q, k, v)`` writes the new ones and attends over what is visible
+        ``ctx.attend(layer, q, k, v)`` writes the new ones and attends over what is visible;
+        ``ctx.history(layer, k, v)`` writes them and hands the mixer the visible entries to
+        attend over itself (a layer caching latents it expands first, e.g. MLA, whose
+        cached "values" may have their own width ``v_head_dim``)
     RecurrentSpec(states=(StateSpec("conv", (C, K)), StateSpec("ssm", (H, N, P))))
         a fixed-size state per sequence, in the Recurrent pool (the live state, and the
         snapshots the manager keeps and restores); ``ctx.read_states(layer)`` and
@@ -15,7 +18,8 @@ say, and a mixer finds its history through a ``MixerContext``:
 
 Pools, in the order the engine gives them to the manager: full attention, one sliding-window
 pool per distinct window (smallest first), recurrent. A pool holds all of its layers' pages
-together, so every attention layer of a pool has the same ``n_kv_heads`` and ``head_dim``.
+together, so every attention layer of a pool has the same ``n_kv_heads``, ``head_dim`` and
+``value_dim``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ class AttentionSpec:
     ``window``: positions ``p-window+1 .. p`` are visible to position p (None: all earlier
     ones). ``scale``: the factor on ``q.k`` (None: ``head_dim ** -0.5``). ``sinks``: the layer
     has a learned logit per head that joins every softmax without a value (GPT-OSS); the
-    mixer passes its weights to ``attend``. Keys are stored after RoPE.
+    mixer passes its weights to ``attend``. Keys are stored after RoPE. ``v_head_dim``: the
+    width of a cached value when it differs from a key's (None: ``head_dim``); such a layer
+    reads its history with ``ctx.history`` (``attend`` needs equal widths).
     """
 
     n_kv_heads: int
@@ -43,12 +49,16 @@ class AttentionSpec:
     window: int | None = None
     scale: float | None = None
     sinks: bool = False
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_kv_heads", "head_dim"):
             if not _positive(getattr(self, name)):
                 raise ValueError(f"AttentionSpec.{name} must be an int >= 1, got "
                                  f"{getattr(self, name)!r}")
+        if self.v_head_dim is not None and not _positive(self.v_head_dim):
+            raise ValueError(f"AttentionSpec.v_head_dim must be None or an int >= 1, got "
+                             f"{self.v_head_dim!r}")
         if self.window is not None and not _positive(self.window):
             raise ValueError(f"AttentionSpec.window must be None or an int >= 1, got "
                              f"{self.window!r}")
@@ -60,6 +70,17 @@ class AttentionSpec:
     @property
     def softmax_scale(self) -> float:
         return self.head_dim ** -0.5 if self.scale is None else self.scale
+
+    @property
+    def value_dim(self) -> int:
+        """The width of a cached value."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def split_kv(self) -> bool:
+        """Keys and values of equal width: a page holds them apart, ``[layers, 2, tpb, KV,
+        hd]``; else side by side, ``[layers, tpb, KV, hd + vd]``."""
+        return self.value_dim == self.head_dim
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,30 @@ class ModelSpec:
         return tuple(layer_kind(spec) for spec in self.layers)
 
 
+@dataclass(frozen=True)
+class History:
+    """What one sequence's new tokens see of an attention layer's cache (``ctx.history``):
+    the entries at positions ``first .. first + m - 1``, its new tokens' last.
+
+    ``keys [m, KV, hd]`` and ``values [m, KV, vd]`` as the layer wrote them; ``mask``: bool
+    ``[n, m]``, new token i (at position ``first + m - n + i``) sees entry j, or None when
+    the sequence has one new token (it sees them all). A window is in both: entries before
+    the first token's window are not read, and the mask hides those a later token's
+    window has left behind.
+    """
+
+    keys: Tensor
+    values: Tensor
+    first: int
+    mask: Tensor | None
+
+    @property
+    def positions(self) -> Tensor:
+        """The entries' absolute positions ``[m]``."""
+        return torch.arange(self.first, self.first + self.keys.shape[0],
+                            device=self.keys.device)
+
+
 def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -146,7 +191,13 @@ class MixerContext(Protocol):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                sinks: Tensor | None = None) -> Tensor:
         """q ``[T, H, hd]``, k/v ``[T, KV, hd]`` (RoPE applied) -> output ``[T, H, hd]``;
-        ``sinks [H]`` for a layer whose spec has ``sinks``."""
+        ``sinks [H]`` for a layer whose spec has ``sinks``. Keys and values of equal width
+        only (else ``history``)."""
+
+    def history(self, layer: int, k: Tensor, v: Tensor) -> list[History]:
+        """Write the new tokens' k ``[T, KV, hd]`` and v ``[T, KV, vd]`` into the pages and
+        return, per sequence (in ``bounds`` order), the entries its new tokens see, for
+        the mixer to attend over itself (its own scale, its own expansion of them)."""
 
     def read_states(self, layer: int) -> dict[str, Tensor]:
         """Each sequence's state before this step: name -> float32 ``[B, *shape]`` (a

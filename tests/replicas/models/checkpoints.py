@@ -92,6 +92,16 @@ VARIANTS = {
         NEMOTRON_H, hybrid_override_pattern="ME*M", n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32,
         n_group=2, topk_group=1, routed_scaling_factor=2.5)),
+    # Kimi Linear: three KDA layers (short convolutions + gated delta rule, states only),
+    # then one NoPE MLA layer caching its latents (as the checkpoints list them, 1-based);
+    # a dense MLP in layer 0, MoE after (4 experts, top 2, one shared). MLA expands a key
+    # and value per head, so K/V heads = heads.
+    "kimi-linear": (transformers.KimiLinearConfig, dict(
+        num_hidden_layers=4, num_key_value_heads=4, moe_intermediate_size=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        linear_attn_config=dict(head_dim=16, num_heads=4, short_conv_kernel_size=4,
+                                kda_layers=[1, 2, 3], full_attn_layers=[4]),
+        num_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1)),
 }
 
 # The attention-only variants' pools: (kind, window, layers in the pool), in the engine's
@@ -117,6 +127,7 @@ FAMILY_VARIANTS = [
     "qwen3-next",
     "nemotron-h",
     "nemotron-h-moe",
+    "kimi-linear",
 ]
 
 

@@ -16,9 +16,8 @@ from tests.replicas.models.checkpoints import VOCAB
 from tests.replicas.models.serving import Served
 
 TPB = 8
-# a window model, two recurrent ones (one with a window beside: none in the set has one),
-# and one whose attention has sinks
-VARIANTS = ["gemma3", "qwen3-next", "nemotron-h", "gpt-oss", "lfm2"]
+# window models (one with sinks), and hybrids: convolution, DeltaNet, Mamba-2, KDA with MLA
+VARIANTS = ["gemma3", "qwen3-next", "nemotron-h", "gpt-oss", "lfm2", "kimi-linear"]
 
 
 def tokens(seed: int, n: int) -> list[int]:
