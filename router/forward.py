@@ -71,7 +71,7 @@ class AttemptAccounting:
 
     def __init__(self, svc: RouterService, p: Prepared, decision: Decision,
                  replica: Replica) -> None:
-        self.svc, self.p, self.replica = svc, p, replica
+        self.svc, self.p, self.replica, self.decision = svc, p, replica, decision
         self.reason = decision.reason.split(" (")[0]  # router_decisions{reason}
         self.probed = next(c for c in decision.candidates if c.name == replica.url)
         self.started = time.monotonic()
@@ -134,6 +134,13 @@ class AttemptAccounting:
         if self.probed.reuse is not None:
             stats.probed_tokens += self.probed.reuse
             stats.probed_tokens_before_pruning += self.probed.reuse_before_pruning or 0
+        expected = self.probed.expected_reuse
+        if expected is not None:  # what the policy expected against what it got
+            stats.expected_tokens += expected
+            stats.over_predicted_tokens += max(0, expected - cached)
+            self.svc.metrics.expected(self.replica.url, expected, cached)
+        if self.replica.url == self.decision.chosen:
+            self.decision.cached_tokens = cached
         self.svc.metrics.finished(self.replica.url, usage.get("prompt_tokens", 0), cached)
         if self.p.tenant is not None:  # --api-keys: the tenant's hit rate
             self.p.tenant.answered(usage.get("prompt_tokens", 0), cached)

@@ -45,6 +45,14 @@ class RouterMetrics:
                                      ["replica"], registry=r)
         self.reused_tokens = Counter("router_reused_tokens", "Cached prompt tokens per "
                                      "replica (from usage).", ["replica"], registry=r)
+        self.expected_tokens = Counter(
+            "router_expected_reused_tokens", "Prompt tokens the policy expected the chosen "
+            "replica to reuse, per replica (policies with an expectation: prefix, "
+            "approx_prefix).", ["replica"], registry=r)
+        self.over_predicted_tokens = Counter(
+            "router_over_predicted_tokens", "Prompt tokens the policy expected a replica to "
+            "reuse beyond what it reused (its cached_tokens), per replica.", ["replica"],
+            registry=r)
         self.retries = Counter("router_retries", "Attempts on a further replica.",
                                registry=r)
         r.register(_ReplicaState(service))
@@ -65,6 +73,10 @@ class RouterMetrics:
 
     def first_token(self, replica: str, seconds: float) -> None:
         self.ttft.labels(replica).observe(seconds)
+
+    def expected(self, replica: str, expected: int, cached: int) -> None:
+        self.expected_tokens.labels(replica).inc(expected)
+        self.over_predicted_tokens.labels(replica).inc(max(0, expected - cached))
 
     def finished(self, replica: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.labels(replica).inc(prompt_tokens)

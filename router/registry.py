@@ -43,6 +43,10 @@ class ReplicaStats:
     cached_tokens: int = 0
     probed_tokens: int = 0  # num_tokens of the chosen replica's probes
     probed_tokens_before_pruning: int = 0
+    # the policy's expected reuse of the requests answered here (policies that have one),
+    # and by how much it exceeded what the replica reused, summed over requests
+    expected_tokens: int = 0
+    over_predicted_tokens: int = 0
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=2000))
 
 

@@ -37,6 +37,8 @@ def replica_view(rep) -> dict:
         "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
         "probed_tokens": s.probed_tokens,
         "probed_tokens_before_hybrid_pruning": s.probed_tokens_before_pruning,
+        "expected_tokens": s.expected_tokens,
+        "over_predicted_tokens": s.over_predicted_tokens,
         "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p99_s": _percentile(ttft, 0.99),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
         "load": load,
@@ -54,6 +56,7 @@ def decision_view(routed) -> dict:
         "at": routed.at, "request_id": routed.request_id, "model": routed.model,
         "prompt_tokens": routed.prompt_tokens, "chosen": d.chosen, "reason": d.reason,
         "probe_ms": round(routed.probe_ms, 3),
+        "expected_reuse": d.expected_reuse, "cached_tokens": d.cached_tokens,
         "candidates": [{
             "replica": c.name, "reuse": c.reuse,
             "reuse_before_hybrid_pruning": c.reuse_before_pruning,
@@ -62,6 +65,7 @@ def decision_view(routed) -> dict:
             "running": c.load.running if c.load else None,
             "waiting": c.load.waiting if c.load else None,
             "in_flight": c.in_flight, "score": c.score, "note": c.note,
+            "expected_reuse": c.expected_reuse,
         } for c in d.candidates],
     }
 
@@ -116,6 +120,10 @@ class ReplicaView(BaseModel):
     hit_rate: float
     probed_tokens: int
     probed_tokens_before_hybrid_pruning: int
+    # the policy's expected reuse of the requests answered here, and how far it exceeded
+    # the replica's cached_tokens, summed over requests (policies with an expectation)
+    expected_tokens: int
+    over_predicted_tokens: int
     ttft_p50_s: Optional[float]
     ttft_p99_s: Optional[float]
     ttft_mean_s: Optional[float]
@@ -138,6 +146,7 @@ class CandidateView(BaseModel):
     in_flight: int
     score: Optional[float]
     note: str
+    expected_reuse: Optional[int]  # what the policy expected this replica to reuse
 
 
 class DecisionView(BaseModel):
@@ -148,6 +157,8 @@ class DecisionView(BaseModel):
     chosen: str
     reason: str
     probe_ms: float
+    expected_reuse: Optional[int]  # the policy's expectation of the chosen replica's reuse
+    cached_tokens: Optional[int]  # what it reused (None until its answer's usage came)
     candidates: list[CandidateView]
 
 

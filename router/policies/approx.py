@@ -36,10 +36,13 @@ class ApproxPrefix(Policy):
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         loads = {c.name: outstanding(c) for c in candidates}
         lo, hi = min(loads.values()), max(loads.values())
-        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
-            return self._least_loaded(candidates, loads, "load out of balance: least loaded")
         keys = request.prefix_keys()
         shared = {c.name: shared_units(keys, self._seen.get(c.name, ())) for c in candidates}
+        for c in candidates:  # what the tree says each could reuse (prompt[:-1] at most)
+            c.expected_reuse = min(shared[c.name] * request.unit_tokens,
+                                   max(0, request.num_tokens - 1))
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            return self._least_loaded(candidates, loads, "load out of balance: least loaded")
         best = max(shared.values()) if keys else 0
         if keys and best / len(keys) >= self.threshold:
             for c in candidates:  # longest shared prefix first, then fewer outstanding

@@ -59,6 +59,10 @@ class Candidate:
     score: float | None = None  # filled by the policy (lower is better)
     tie: float = 0.0  # scores closer than this to the best count as ties
     estimate: tuple = ()  # the policy's terms behind the score (prefix: TTFT, reuse, queued)
+    # prompt tokens the policy expects this replica to reuse (prefix: what the probe said,
+    # or an unfinished prefill covers; approx_prefix: what its tree says was sent there);
+    # None: the policy has no such expectation
+    expected_reuse: int | None = None
     note: str = ""
 
 
@@ -69,6 +73,12 @@ class Decision:
     chosen: str
     reason: str
     candidates: tuple[Candidate, ...] = field(default_factory=tuple)
+    cached_tokens: int | None = None  # what the chosen replica reused (its answer's usage)
+
+    @property
+    def expected_reuse(self) -> int | None:
+        """What the policy expected the chosen replica to reuse."""
+        return next((c.expected_reuse for c in self.candidates if c.name == self.chosen), None)
 
     def ranked(self) -> list[str]:
         """Candidates best first: the order to retry in."""

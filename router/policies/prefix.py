@@ -81,6 +81,7 @@ class PrefixAware(Policy):
                     shared = shared_units(keys, self._pending_keys(c.name)) * unit
                     c.pending_reuse = min(shared, max(0, num_tokens - 1))
             reuse = max(c.reuse or 0, c.pending_reuse)
+            c.expected_reuse = reuse
             load = c.load
             if load is not None:
                 rate = load.prefill_tokens_per_s
