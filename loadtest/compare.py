@@ -50,7 +50,20 @@ def run_policy(policy: str, requests: list[Request], config: DriverConfig, repli
         result = run(requests, replace(config, url=c.routers[0].url,
                                        more_urls=tuple(r.url for r in c.routers[1:])))
         doc = _finish(result, c.replicas, restarted, window_s)
+        doc["expectations"] = _expectations([r.url for r in c.routers])
     return doc
+
+
+def _expectations(routers: list[str]) -> dict:
+    """What our routers' policy expected the chosen replicas to reuse, against what they
+    reused, summed over replicas and routers (router ``/stats``)."""
+    out = {"expected_tokens": 0, "over_predicted_tokens": 0, "cached_tokens": 0,
+           "prompt_tokens": 0}
+    for url in routers:
+        for rep in httpx.get(url + "/stats", timeout=10).json()["replicas"]:
+            for key in out:
+                out[key] += rep[key]
+    return out
 
 
 def _restart_later(reps: list[ServerProcess], i: int, at: float | None,
@@ -208,6 +221,16 @@ def working_set_blocks(requests: list[Request], tokens_per_block: int) -> int:
     return len({k for r in sim for k in r.keys})
 
 
+def arrival_order(requests: list[Request], config: DriverConfig) -> list[Request]:
+    """The requests in the order the driver will send them (the bounds' order): by
+    arrival time, a session's turns in their order."""
+    offsets = (arrival_offsets(len(requests), config.rate, config.burstiness,
+                               config.constant_rate, config.seed)
+               if config.rate else [r.arrival_s for r in requests])
+    by_id = {r.request_id: r for r in requests}
+    return [by_id[s.request_id] for s in to_sim_requests(requests, offsets)]
+
+
 def bounds(requests: list[Request], config: DriverConfig, replicas: int, kv_pages: int,
            tokens_per_block: int) -> dict:
     """Pooled and infinite bounds of the same requests in the same arrival order."""
@@ -219,7 +242,9 @@ def bounds(requests: list[Request], config: DriverConfig, replicas: int, kv_page
             "infinite": bound_hit_rate(sim, None, tokens_per_block)}
 
 
-def summary_row(name: str, doc: dict, rr: dict | None) -> dict:
+def summary_row(name: str, doc: dict, rr: dict | None, prefix: dict | None = None) -> dict:
+    """One column of the table; ``rr`` and ``prefix``: the round-robin and prefix columns'
+    documents (ratios against them), when run."""
     s = doc["summary"]
     prefill = [v["prefill_tokens"] for v in doc["replica_stats"].values()]
     mean = sum(prefill) / len(prefill) if prefill else 0
@@ -228,15 +253,31 @@ def summary_row(name: str, doc: dict, rr: dict | None) -> dict:
            "imbalance": max(prefill) / mean if mean else None,
            "request_throughput": s["request_throughput"], "failed": s["failed"],
            "replicas_alive": doc.get("replicas_alive")}
+    expectations = doc.get("expectations")
+    if expectations and expectations["prompt_tokens"]:
+        # over-prediction (BENCHMARKS' definition): expected minus reused, over prompt tokens
+        row["over_prediction"] = ((expectations["expected_tokens"]
+                                   - expectations["cached_tokens"])
+                                  / expectations["prompt_tokens"]
+                                  if expectations["expected_tokens"] else None)
+        row["over_predicted_share"] = (expectations["over_predicted_tokens"]
+                                       / expectations["prompt_tokens"])
+    if prefix is not None and prefix is not doc and s["token_hit_rate"] is not None:
+        ps = prefix["summary"]["token_hit_rate"]
+        row["hit_rate_x_prefix"] = s["token_hit_rate"] / ps if ps else None
     if "restart" in doc:
         row.update(recovery(doc["restart"]))
     if rr is not None:
         rs = rr["summary"]
-        row["hit_rate_x_rr"] = s["token_hit_rate"] / rs["token_hit_rate"] \
-            if rs["token_hit_rate"] else None
-        row["ttft_mean_x_rr"] = s["ttft_ms"]["mean"] / rs["ttft_ms"]["mean"] \
-            if rs["ttft_ms"]["mean"] else None
+        row["hit_rate_x_rr"] = _ratio(s["token_hit_rate"], rs["token_hit_rate"])
+        row["ttft_mean_x_rr"] = _ratio(s["ttft_ms"]["mean"], rs["ttft_ms"]["mean"])
+    if not s["completed"]:  # a column whose every request failed: say why, go on
+        row["errors"] = s["errors"]
     return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def recovery(restart: dict) -> dict:
@@ -259,21 +300,33 @@ def recovery(restart: dict) -> dict:
 
 
 def markdown(rows: list[dict], bound: dict, setup: str) -> str:
+    over = any("over_prediction" in r for r in rows)
     lines = [setup, "",
              "| policy | token hit rate | / pooled bound | x round robin | TTFT mean | TTFT p50 "
-             "| TTFT p99 | mean TTFT / round robin | load imbalance | req/s | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p99 | mean TTFT / round robin | load imbalance | req/s | failed |"
+             + (" over-prediction | x prefix |" if over else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if over else "")]
     for r in rows:
-        pooled = r["hit_rate"] / bound["pooled"] if bound.get("pooled") else None
-        lines.append(
-            f"| {r['policy']} | {r['hit_rate']:.3f} | {_f(pooled, '.2f')} | "
+        pooled = (r["hit_rate"] / bound["pooled"]
+                  if bound.get("pooled") and r["hit_rate"] is not None else None)
+        line = (
+            f"| {r['policy']} | {_f(r['hit_rate'], '.3f')} | {_f(pooled, '.2f')} | "
             f"{_f(r.get('hit_rate_x_rr'), '.1f')} | {_f(r['ttft_mean_ms'], '.1f')} ms | "
             f"{_f(r['ttft_p50_ms'], '.1f')} ms | {_f(r['ttft_p99_ms'], '.1f')} ms | "
             f"{_f(r.get('ttft_mean_x_rr'), '.2f')} | {_f(r['imbalance'], '.2f')} | "
-            f"{r['request_throughput']:.1f} | {r['failed']} |")
+            f"{_f(r['request_throughput'], '.1f')} | {r['failed']} |")
+        if over:
+            line += (f" {_f(r.get('over_prediction'), '.3f')} | "
+                     f"{_f(r.get('hit_rate_x_prefix'), '.2f')} |")
+        lines.append(line)
     lines.append("")
     lines.append(f"Bounds on the same request sequence: pooled {bound['pooled']:.3f}, "
                  f"infinite {bound['infinite']:.3f}.")
+    for r in rows:
+        if r.get("errors"):
+            shown = "; ".join(f"{n} x {e}" for e, n in sorted(r["errors"].items(),
+                                                              key=lambda x: -x[1])[:3])
+            lines.append(f"Column {r['policy']} failed on every request: {shown}.")
     if any("hit_rate_before_restart" in r for r in rows):
         width = next(r["window_s"] for r in rows if "window_s" in r)
         lines += ["", f"A replica restarted empty during the run ({width:g} s windows):", "",
@@ -306,7 +359,8 @@ def plots(docs: dict[str, dict], bound: dict, out_dir: Path) -> list[Path]:
     names = list(docs)
     paths = []
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar(names, [docs[n]["summary"]["token_hit_rate"] for n in names], color="#4C72B0")
+    ax.bar(names, [docs[n]["summary"]["token_hit_rate"] or 0.0 for n in names],
+           color="#4C72B0")  # a column that failed throughout: a bar of 0
     for label, value, style in (("pooled bound", bound["pooled"], "--"),
                                 ("infinite bound", bound["infinite"], ":")):
         ax.axhline(value, color="black", linestyle=style, linewidth=1, label=label)

@@ -14,6 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from . import bounds as model_bounds
 from . import compare
 from .driver import DriverConfig
 from .workloads import add_workload_arguments, use_reference_workload, workload_from_args
@@ -41,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on its port; the table then shows how the hit rate recovered")
     c.add_argument("--window-s", type=float, default=5.0,
                    help="with --restart-at: the windows the hit rate is measured over (5)")
+    c.add_argument("--model", default=None, metavar="DIR",
+                   help="the replicas are sim replicas of this checkpoint's model (its config: "
+                        "pools, windows, recurrent layers, reuse rules; no weights); the bounds "
+                        "replay under its rules, and --cache-pressure sizes each of its pools")
     c.add_argument("--replica-args", default="", help="more replica flags, one string")
     c.add_argument("--router-args", default="", help="more router flags, one string")
     c.add_argument("--external", action="append", default=[],
@@ -60,22 +65,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     requests, desc = workload_from_args(args)
-    if args.cache_pressure is not None:
+    config = DriverConfig(url="", rate=args.rate, burstiness=args.burstiness,
+                          concurrency=args.concurrency, max_seconds=args.max_seconds,
+                          seed=args.seed)
+    out_dir = Path(args.out_dir)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model_bound = None
+    if args.model is not None:
+        model_bound = _model_pages(args, requests, config, log_dir)
+    elif args.cache_pressure is not None:
         blocks = compare.working_set_blocks(requests, args.tokens_per_block)
         args.kv_pages = max(1, int(blocks / (args.cache_pressure * args.replicas)))
         print(f"cache pressure {args.cache_pressure:g}: working set {blocks} blocks, "
               f"{args.kv_pages} KV pages per replica", file=sys.stderr)
-    config = DriverConfig(url="", rate=args.rate, burstiness=args.burstiness,
-                          concurrency=args.concurrency, max_seconds=args.max_seconds,
-                          seed=args.seed)
-    replica_args = ["--engine", "sim", "--kv-pages", str(args.kv_pages), "--tokens-per-block",
+    pages = args.kv_pages if isinstance(args.kv_pages, int) else ",".join(map(str,
+                                                                             args.kv_pages))
+    replica_args = ["--engine", "sim", *(["--model", args.model] if args.model else []),
+                    "--kv-pages", str(pages), "--tokens-per-block",
                     str(args.tokens_per_block), "--log-level", "warning",
                     *shlex.split(args.replica_args)]
     router_args = ["--tokens-per-block", str(args.tokens_per_block), "--seed", str(args.seed),
                    "--log-level", "warning", *shlex.split(args.router_args)]
-    out_dir = Path(args.out_dir)
-    log_dir = out_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     docs: dict[str, dict] = {}
     counts = [int(n) for n in args.routers.split(",") if n]
     if not counts or min(counts) < 1:
@@ -101,17 +112,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"== {name} (external command)", file=sys.stderr)
         docs[name] = compare.run_external(name, command, requests, config, args.replicas,
                                           replica_args, log_dir)
-    bound = compare.bounds(requests, config, args.replicas, args.kv_pages,
-                           args.tokens_per_block)
+    if model_bound is not None:
+        bound = model_bound(args.kv_pages)
+    else:
+        bound = compare.bounds(requests, config, args.replicas, args.kv_pages,
+                               args.tokens_per_block)
     rr = docs.get(label("round_robin", counts[0]))
-    rows = [compare.summary_row(name, doc, rr) for name, doc in docs.items()]
+    prefix = docs.get(label("prefix", counts[0]))
+    rows = [compare.summary_row(name, doc, rr, prefix) for name, doc in docs.items()]
     setup = {"workload": desc, "replicas": args.replicas, "kv_pages": args.kv_pages,
              "tokens_per_block": args.tokens_per_block, "rate": args.rate,
              "burstiness": args.burstiness, "concurrency": args.concurrency,
              "routers": counts, "restart_at": args.restart_at,
-             "cache_pressure": args.cache_pressure,
+             "cache_pressure": args.cache_pressure, "model": args.model,
              "replica_args": replica_args, "router_args": router_args}
-    text = (f"Workload {desc}; {args.replicas} sim replicas x {args.kv_pages} KV pages of "
+    model = f" of {Path(args.model).name}" if args.model else ""
+    text = (f"Workload {desc}; {args.replicas} sim replicas{model} x {pages} KV pages of "
             f"{args.tokens_per_block} tokens; arrivals: rate {args.rate}/s, burstiness "
             f"{args.burstiness}" +
             (f"; {'/'.join(map(str, counts))} independent routers (xN)" if counts != [1]
@@ -123,3 +139,48 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out_dir}/compare.json, compare.md and plots", file=sys.stderr)
     # a restart kills the streams flowing from that replica: its failures are the table's
     return 0 if args.restart_at is not None or all(r["failed"] == 0 for r in rows) else 1
+
+
+def _model_pages(args: argparse.Namespace, requests, config: DriverConfig, log_dir: Path):
+    """With ``--model``: the workload replayed once through a sim replica of the model that
+    never evicts (the infinite bound, and the working set of each pool); ``--cache-pressure``
+    then sizes each pool from its working set (``args.kv_pages`` becomes one count per
+    pool). Returns the function that computes the bounds for the pages finally used."""
+    ordered = compare.arrival_order(requests, config)
+    n_pools = model_bounds.pool_count(args.model)
+    tpb = args.tokens_per_block
+    print(f"replaying {len(ordered)} requests through one sim replica of {args.model} "
+          "(the infinite bound)", file=sys.stderr)
+    infinite = model_bounds.replay(ordered, args.model, model_bounds.never_evicting_pages(
+        ordered, tpb, n_pools), tpb, log_dir)
+    working_set = [p["block_pages"] for p in infinite.pools]
+    if args.cache_pressure is not None:
+        floors = [_floor(p["life_cycle"], ordered, tpb) for p in infinite.pools]
+        args.kv_pages = tuple(model_bounds.pressure_pages(working_set, args.cache_pressure,
+                                                          args.replicas, floors))
+        print(f"cache pressure {args.cache_pressure:g}: working set per pool "
+              f"{working_set}, {list(args.kv_pages)} KV pages per replica", file=sys.stderr)
+
+    def bound(kv_pages) -> dict:
+        per_pool = [kv_pages] * n_pools if isinstance(kv_pages, int) else list(kv_pages)
+        print("replaying them through one sim replica with every replica's pages (the pooled "
+              "bound)", file=sys.stderr)
+        pooled = model_bounds.replay(ordered, args.model, [n * args.replicas
+                                                           for n in per_pool], tpb, log_dir)
+        return {"pooled": pooled.hit_rate, "infinite": infinite.hit_rate,
+                "working_set_pages": dict(zip([p["life_cycle"] for p in infinite.pools],
+                                              working_set))}
+    return bound
+
+
+def _floor(life_cycle: str, requests, tokens_per_block: int) -> int:
+    """Pages a pool needs for one request to run at all: every block of the longest one
+    (full attention), a window's worth and two (sliding), one live state and three (recurrent)."""
+    if life_cycle == "recurrent":
+        return 4
+    if life_cycle.startswith("sliding_window("):
+        window = int(life_cycle.removeprefix("sliding_window(").split(")")[0].split(",")[0])
+        return window // tokens_per_block + 2
+    longest = max(len(r.prompt or "") + sum(len(m["content"]) + 16 for m in r.messages or ())
+                  + r.max_tokens + 32 for r in requests)
+    return longest // tokens_per_block + 2

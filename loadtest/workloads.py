@@ -12,6 +12,19 @@ characters is ``n + 1`` prompt tokens (the BOS). Chat requests add the chat temp
 
 Requests of one ``session`` form a chain: the driver sends them in list order, each one only
 after the previous one of the same session finished (see ``loadtest/driver.py``).
+
+Where a model's reuse rules matter (sliding windows, recurrent layers; ``loadtest compare
+--model DIR``), three workloads tell the policies apart:
+
+- ``shared-prefix`` with ``--system-len`` longer than the model's windows: every window
+  page of the shared system prompt stays needed only at its end point; a router-side tree
+  that remembers the whole prompt cannot tell which pages the replica kept;
+- ``multi-turn`` with long sessions: each turn resumes where the last one ended (a
+  recurrent snapshot at its history's end, or at its prompt's last block boundary), and
+  the placeholder answers differ from what the replica generated, so reuse stops at the
+  previous prompt: a tree that counted the answer over-predicts;
+- ``forks``: continuations cut from a shared history anywhere: attention layers can
+  reuse up to the cut, recurrent layers only up to the last snapshot before it.
 """
 
 from __future__ import annotations
@@ -143,6 +156,41 @@ def multi_turn(sessions: int, turns: int, system_len: int, user_len: int, output
     return requests
 
 
+def forks(trees: int, branches: int, history_len: int, branch_len: int, output_len: int,
+          seed: int = 0) -> list[Request]:
+    """Continuations branching from a shared history at arbitrary points: regenerations,
+    agents retrying a step, tree search.
+
+    Tree ``t`` has a random history of ``history_len`` characters, sent first on its own
+    (``t{t}-root``); then each of its ``branches`` cuts that history at a point drawn
+    uniformly past its first quarter (some branches share nearly all of it, some a quarter)
+    and appends ``branch_len`` new characters (``t{t}-b{b}``). A branch point falls anywhere, mostly inside a block: the
+    attention layers can reuse up to it, recurrent layers only up to the last snapshot
+    before it (a block boundary where a prefill stopped, or a branch point an earlier
+    branch left). Completions (``prompt``), ``max_tokens = output_len``, ``group`` is the
+    tree. All roots come first (in a seeded order), then every branch, shuffled across
+    trees; a branch is no session (branches of one tree arrive concurrently, as an agent's
+    retries or a search's expansions do).
+    """
+    _check_positive(trees=trees, branches=branches, history_len=history_len,
+                    output_len=output_len)
+    _check_non_negative(branch_len=branch_len)
+    rng = random.Random(seed)
+    histories = [random_text(rng, history_len) for _ in range(trees)]
+    roots = [Request(f"t{t}-root", output_len, prompt=histories[t], group=t)
+             for t in range(trees)]
+    rng.shuffle(roots)
+    branched = []
+    for t, history in enumerate(histories):
+        for b in range(branches):
+            cut = rng.randint(history_len // 4, history_len)
+            branched.append(Request(f"t{t}-b{b}", output_len,
+                                    prompt=history[:cut] + random_text(rng, branch_len),
+                                    group=t))
+    rng.shuffle(branched)
+    return roots + branched
+
+
 def sharegpt(path: str | Path, limit: int | None = None, seed: int = 0,
              max_output_tokens: int = 1024, max_prompt_tokens: int = 4096,
              history: bool = False) -> list[Request]:
@@ -219,7 +267,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload flags of ``python -m loadtest run`` (and of commands that reuse them)."""
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", required=True,
-                   choices=["shared-prefix", "multi-turn", "sharegpt", "trace"])
+                   choices=["shared-prefix", "multi-turn", "forks", "sharegpt", "trace"])
     g.add_argument("--dataset", help="sharegpt: JSON file; trace: JSONL file")
     g.add_argument("--groups", type=int, default=16, help="shared-prefix: groups (16)")
     g.add_argument("--prompts-per-group", type=int, default=16,
@@ -234,6 +282,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                    help="multi-turn: user message characters (128)")
     g.add_argument("--output-len", type=int, default=64,
                    help="shared-prefix, multi-turn: max_tokens per request (64)")
+    g.add_argument("--trees", type=int, default=16, help="forks: shared histories (16)")
+    g.add_argument("--branches", type=int, default=8, help="forks: branches per history (8)")
+    g.add_argument("--history-len", type=int, default=2048,
+                   help="forks: history characters = tokens (2048)")
+    g.add_argument("--branch-len", type=int, default=64,
+                   help="forks: new characters per branch (64)")
     g.add_argument("--limit", type=int, default=None, help="sharegpt, trace: at most N requests")
     g.add_argument("--max-output-len", type=int, default=1024,
                    help="sharegpt: cap on max_tokens (1024)")
@@ -266,6 +320,10 @@ def workload_from_args(args: argparse.Namespace) -> tuple[list[Request], dict]:
         params = dict(sessions=args.sessions, turns=args.turns, system_len=args.system_len,
                       user_len=args.user_len, output_len=args.output_len, seed=args.seed)
         return multi_turn(**params), {"name": name, **params}
+    if name == "forks":
+        params = dict(trees=args.trees, branches=args.branches, history_len=args.history_len,
+                      branch_len=args.branch_len, output_len=args.output_len, seed=args.seed)
+        return forks(**params), {"name": name, **params}
     if not args.dataset:
         raise ValueError(f"--workload {name} needs --dataset PATH")
     if name == "sharegpt":

@@ -91,3 +91,66 @@ def test_peer_prefix_decisions_are_summed_and_unreadable_metrics_only_noted(caps
                                                           "missing_tokens": 1.0}
     err = capsys.readouterr().err
     assert "vllm-router's metrics at http://127.0.0.1:9/metrics could not be read" in err
+
+
+def test_a_hybrid_model_cluster_with_its_bounds_and_pools_under_pressure(tmp_path):
+    """--model: sim replicas of a tiny Qwen3-Next's config (3 recurrent layers : 1 attention
+    layer); the forks workload; --cache-pressure sizes each pool from its working set,
+    measured by replaying the workload through one sim replica that never evicts."""
+    import transformers
+
+    model = tmp_path / "qwen3-next"
+    transformers.Qwen3NextConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=4096,
+        architectures=["Qwen3NextForCausalLM"]).save_pretrained(model)
+    out = subprocess.run(
+        [sys.executable, "-m", "loadtest", "compare", "--workload", "forks", "--trees", "3",
+         "--branches", "4", "--history-len", "300", "--branch-len", "20", "--output-len", "4",
+         "--replicas", "2", "--model", str(model), "--cache-pressure", "2",
+         "--tokens-per-block", "16", "--policies", "prefix,approx_prefix", "--rate", "20",
+         "--replica-args", "--sim-speedup 10", "--out-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "out" / "compare.json").read_text())
+    setup, bounds = doc["setup"], doc["bounds"]
+    working = bounds["working_set_pages"]
+    assert list(working) == ["full_attention", "recurrent"]
+    # 3 roots of 301 tokens + 12 branches: every full block held, snapshots kept
+    assert working["full_attention"] >= 3 * (301 // 16) and working["recurrent"] > 0
+    pages = setup["kv_pages"]
+    assert len(pages) == 2 and pages[1] == max(4, int(working["recurrent"] / (2 * 2)))
+    assert "--kv-pages" in setup["replica_args"]
+    assert setup["replica_args"][setup["replica_args"].index("--kv-pages") + 1] == \
+        f"{pages[0]},{pages[1]}"
+    assert 0 < bounds["pooled"] <= bounds["infinite"] < 1
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert rows["prefix"]["failed"] == rows["approx_prefix"]["failed"] == 0
+    for row in rows.values():
+        assert row["hit_rate"] <= bounds["infinite"] + 1e-9
+        assert row["over_prediction"] is not None
+    assert rows["approx_prefix"]["hit_rate_x_prefix"] is not None
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "over-prediction" in md and "of qwen3-next" in md
+
+
+def test_a_column_that_failed_throughout_is_reported_not_a_crash():
+    from loadtest.compare import markdown, summary_row
+
+    failed = {"summary": {"token_hit_rate": None, "completed": 0, "failed": 5,
+                          "request_throughput": None, "errors": {"HTTP 502": 5},
+                          "ttft_ms": {"mean": None, "p50": None, "p99": None}},
+              "replica_stats": {}}
+    ok = {"summary": {"token_hit_rate": 0.5, "completed": 5, "failed": 0,
+                      "request_throughput": 2.0, "errors": {},
+                      "ttft_ms": {"mean": 10.0, "p50": 9.0, "p99": 12.0}},
+          "replica_stats": {"a": {"prefill_tokens": 10}}}
+    rows = [summary_row("peer", failed, ok, ok), summary_row("round_robin", ok, ok, None)]
+    assert rows[0]["hit_rate"] is None and rows[0]["errors"] == {"HTTP 502": 5}
+    text = markdown(rows, {"pooled": 0.6, "infinite": 0.7}, "setup")
+    assert "| peer | - | - |" in text
+    assert "Column peer failed on every request: 5 x HTTP 502." in text

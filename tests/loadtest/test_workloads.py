@@ -112,3 +112,20 @@ def test_trace_blocks_follow_hash_ids(tmp_path):
     assert trace_jsonl(path, block_size=4, seed=3)[0].prompt != a.prompt
     assert [r.request_id for r in trace_jsonl(path, block_size=4, limit=2)] == ["trace-0",
                                                                                 "trace-1"]
+
+
+def test_forks_branch_from_each_history_past_its_first_quarter():
+    from loadtest.workloads import forks
+
+    reqs = forks(trees=3, branches=4, history_len=100, branch_len=10, output_len=5, seed=2)
+    roots = {r.group: r.prompt for r in reqs if r.request_id.endswith("-root")}
+    assert sorted(roots) == [0, 1, 2] and all(len(p) == 100 for p in roots.values())
+    branches = [r for r in reqs if "-b" in r.request_id]
+    assert len(branches) == 12 and reqs[:3] == [r for r in reqs if r.request_id.endswith("-root")]
+    for r in branches:
+        history = roots[r.group]
+        cut = len(r.prompt) - 10
+        assert 25 <= cut <= 100 and r.prompt[:cut] == history[:cut]
+        assert r.max_tokens == 5 and r.session is None
+    assert len({len(r.prompt) for r in branches}) > 3  # cut at different points
+    assert forks(3, 4, 100, 10, 5, seed=2) == reqs  # deterministic
