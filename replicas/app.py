@@ -304,6 +304,9 @@ def _stats(service: ReplicaService) -> dict:
             "queries": s.reuse_queries, "query_tokens": s.query_tokens,
             "hit_tokens": s.hit_tokens,
             "hit_tokens_before_hybrid_pruning": s.hit_tokens_before_hybrid_pruning,
+            # what the attention layers alone could have reused but the recurrent layers
+            # could not (no snapshot there)
+            "tokens_lost_to_hybrid_pruning": s.hit_tokens_before_hybrid_pruning - s.hit_tokens,
             "token_hit_rate": s.hit_rate,
         },
         "scheduler": {"running": len(sched.running), "waiting": len(sched.waiting),

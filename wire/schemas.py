@@ -354,6 +354,7 @@ class ReuseStatsOut(BaseModel):
     query_tokens: int
     hit_tokens: int
     hit_tokens_before_hybrid_pruning: int
+    tokens_lost_to_hybrid_pruning: int  # the difference: no snapshot where attention could reuse
     token_hit_rate: float
 
 

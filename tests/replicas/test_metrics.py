@@ -152,7 +152,14 @@ def test_a_models_pools_name_their_layers_and_page_sizes():
     cache.commit(list(range(32)))
     cache.commit(list(range(32, 40)))
     cache.close()
-    pools = client.get("/stats").json()["kv_cache"]["pools"]
+    stats = client.get("/stats").json()
+    pools = stats["kv_cache"]["pools"]
+    # the cache was created with nothing to reuse: nothing lost to pruning yet
+    assert stats["reuse"]["tokens_lost_to_hybrid_pruning"] == 0
+    again = service.manager.create_kv_cache(list(range(36)))  # snapshot at 32, not 36
+    assert (again.num_reused_tokens, again.num_tokens_before_hybrid_pruning) == (32, 36)
+    again.close()
+    assert client.get("/stats").json()["reuse"]["tokens_lost_to_hybrid_pruning"] == 4
     assert [(p["life_cycle"], p["layers"], p["page_bytes"], p["block_pages"]) for p in pools] == [
         ("full_attention", 1, 2 * 16 * 2 * 16 * 4, 3),
         ("sliding_window(24)", 1, 2 * 16 * 2 * 16 * 4, 3),
