@@ -319,7 +319,9 @@ class RouterService:
                 "event": "route", "request_id": p.request_id, "model": p.model,
                 "prompt_tokens": p.route.num_tokens, "chosen": decision.chosen,
                 "reason": decision.reason, "probe_ms": round(probe_ms, 2),
-                "candidates": [{"replica": c.name, "reuse": c.reuse, "score": c.score,
+                "candidates": [{"replica": c.name, "reuse": c.reuse,
+                                "reuse_before_hybrid_pruning": c.reuse_before_pruning,
+                                "expected_reuse": c.expected_reuse, "score": c.score,
                                 "in_flight": c.in_flight, "note": c.note}
                                for c in decision.candidates]}
             if p.trace is not None and p.trace.trace_id is not None:

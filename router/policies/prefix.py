@@ -10,7 +10,10 @@ For each candidate replica::
     score     = ttft_est + new_work_weight * uncached / prefill tokens per second
 
 and the lowest score wins. Near-ties (scores within ``tie_share`` (5%) of the best, or one
-block of prefill at the best replica's rate if that is more) go to
+block of prefill at the best replica's rate if that is more) go, on a hybrid model, to the
+replica whose attention layers hold the longest prefix its recurrent snapshots do not
+cover (``_pruned_affinity``: serving it there leaves a snapshot at that branch point for
+the next request from the same history), then to
 the replica with fewer outstanding requests, then to the one this router gave the least
 prefill work lately (uncached tokens routed, decaying by ``work_decay`` per routed
 request), then at random: new prefixes (no reuse anywhere, empty queues) then spread over
@@ -98,6 +101,8 @@ class PrefixAware(Policy):
         best = min(candidates, key=_score)
         top = best.score + max(best.tie, best.score * self.tie_share)
         near = [c for c in candidates if c.score <= top]
+        if len(near) > 1:
+            near = _pruned_affinity(near, unit)
         if len(near) > 1:
             busy = [outstanding(c) for c in near]
             fewest = min(busy)
@@ -193,3 +198,16 @@ class PrefixAware(Policy):
 
     def pending_requests(self) -> int:
         return len(self._where)
+
+
+def _pruned_affinity(near: list[Candidate], unit: int) -> list[Candidate]:
+    """Among near-ties, the replicas whose attention layers hold the longest prefix of this
+    prompt that their recurrent snapshots do not cover (a block or more): serving it there
+    leaves a snapshot at that branch point (the scheduler stops a prefill there), so the
+    next request branching from the same history reuses it; elsewhere it would be
+    computed again. Unchanged when no candidate has such a prefix (attention-only models
+    never do)."""
+    held = [(c.reuse_before_pruning or 0) if (c.reuse_before_pruning or 0) - (c.reuse or 0)
+            >= unit else 0 for c in near]
+    most = max(held)
+    return [c for c, h in zip(near, held) if h == most] if most else near

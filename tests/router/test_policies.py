@@ -80,6 +80,27 @@ def test_prefix_ties_break_at_random_but_reproducibly():
     assert first == again
 
 
+def test_prefix_near_ties_go_where_the_attention_layers_hold_the_prefix():
+    """A hybrid model's fork: no replica has a snapshot inside the 256-token prompt (reuse 0
+    everywhere: a tie), but b's attention layers hold 200 tokens of it, c's 100 (pruned):
+    b wins, every time (its prefill leaves a snapshot at the branch point for the next
+    fork), instead of the draw. Less than a block (32) held beyond the snapshots does not
+    count; with no pruned prefix anywhere the draw stays."""
+    def cand(name, reuse, before):
+        return Candidate(name, reuse, before, LoadSnapshot(prefill_tokens_per_s=1e3), 0)
+
+    for seed in range(20):
+        p = make_policy("prefix", seed=seed)
+        d = p.choose(req(), [cand("a", 0, 0), cand("b", 0, 200), cand("c", 0, 100)])
+        assert d.chosen == "b"
+    picks = {make_policy("prefix", seed=s).choose(
+        req(), [cand("a", 0, 0), cand("b", 0, 31)]).chosen for s in range(40)}
+    assert picks == {"a", "b"}
+    # not a near tie: a clearly better score still wins over a held, pruned prefix
+    d = make_policy("prefix", seed=0).choose(req(), [cand("a", 224, 224), cand("b", 0, 200)])
+    assert d.chosen == "a"
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 def test_prefix_burst_of_a_new_prefix_follows_the_first_request(lazy):
     """Nothing cached anywhere yet: the first request goes anywhere; the next ones see the
