@@ -11,10 +11,28 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 from pathlib import Path
 
 from .processes import ServerProcess
+
+
+def start_replicas(n: int, args: Sequence[str], log_dir: Path | None,
+                   into: list[ServerProcess]) -> list[ServerProcess]:
+    """``n`` replica processes started together, each waited for on a thread of its own (a
+    replica that imports torch, ``--engine torch`` or ``--engine sim --model``, takes
+    seconds to come up), appended to ``into`` in order. If one fails, those that started
+    are in ``into`` (for the caller to stop) and the first failure is raised."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+        started = [pool.submit(ServerProcess, "replicas", *args, log_dir=log_dir)
+                   for _ in range(n)]
+        concurrent.futures.wait(started)
+    into.extend(f.result() for f in started if f.exception() is None)
+    for future in started:
+        if future.exception() is not None:
+            raise future.exception()
+    return into
 
 
 class LocalCluster:
@@ -35,9 +53,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            for _ in range(self.n):
-                self.replicas.append(ServerProcess("replicas", *self.replica_args,
-                                                   log_dir=self.log_dir))
+            start_replicas(self.n, self.replica_args, self.log_dir, self.replicas)
             urls = ",".join(r.url for r in self.replicas)
             for i in range(self.n_routers):
                 self.routers.append(ServerProcess(

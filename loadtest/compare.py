@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from .cluster import LocalCluster
+from .cluster import LocalCluster, start_replicas
 from .driver import DriverConfig, arrival_offsets, run
 from .processes import ROOT, ServerProcess, free_port
 from .report import build_report
@@ -121,8 +121,9 @@ def run_external(name: str, command: str | None, requests: list[Request],
     """Our replicas behind an external router (``sglang``, ``vllm-router``, or a command
     template);
     ``routers`` gateway processes side by side, as ``run_policy``."""
-    workers = [ServerProcess("replicas", *replica_args, log_dir=log_dir) for _ in range(replicas)]
+    workers: list[ServerProcess] = []
     try:
+        start_replicas(replicas, replica_args, log_dir, workers)
         urls = [w.url for w in workers]
         if command is None:
             from .peers import PEER_ROUTERS
