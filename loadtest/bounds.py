@@ -41,10 +41,12 @@ def replay(requests: Sequence[Request], model: str, pages: Sequence[int],
            tokens_per_block: int, log_dir: Path | None = None,
            extra_args: Sequence[str] = ()) -> ModelBound:
     """The requests (already in arrival order), one after another, through one sim replica
-    of ``model`` with ``pages`` in each pool."""
-    args = ["--engine", "sim", "--model", model, "--tokens-per-block", str(tokens_per_block),
-            "--kv-pages", ",".join(map(str, pages)), "--sim-speedup", SPEEDUP,
-            "--max-waiting", "4", "--log-level", "warning", *extra_args]
+    of ``model`` with ``pages`` in each pool. ``extra_args``: the cluster's other replica
+    flags (those that change reuse, e.g. ``--snapshot-interval-blocks``, must be the
+    same); the replay's own flags win."""
+    args = [*extra_args, "--engine", "sim", "--model", model, "--tokens-per-block",
+            str(tokens_per_block), "--kv-pages", ",".join(map(str, pages)),
+            "--sim-speedup", SPEEDUP, "--max-waiting", "4", "--log-level", "warning"]
     prompt = cached = 0
     with ServerProcess("replicas", *args, log_dir=log_dir) as replica, \
             httpx.Client(base_url=replica.url, timeout=60) as http:

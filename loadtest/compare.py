@@ -209,9 +209,12 @@ def _wait_models(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
 def _replica_prefill(urls: list[str]) -> dict[str, dict]:
     out = {}
     for url in urls:
-        reuse = httpx.get(url + "/stats", timeout=5).json()["reuse"]
+        stats = httpx.get(url + "/stats", timeout=5).json()
+        reuse = stats["reuse"]
         out[url] = {"query_tokens": reuse["query_tokens"], "hit_tokens": reuse["hit_tokens"],
-                    "prefill_tokens": reuse["query_tokens"] - reuse["hit_tokens"]}
+                    "prefill_tokens": reuse["query_tokens"] - reuse["hit_tokens"],
+                    "lost_to_hybrid_pruning": reuse.get("tokens_lost_to_hybrid_pruning"),
+                    "pools": stats["kv_cache"]["pools"]}
     return out
 
 

@@ -151,8 +151,9 @@ def _model_pages(args: argparse.Namespace, requests, config: DriverConfig, log_d
     tpb = args.tokens_per_block
     print(f"replaying {len(ordered)} requests through one sim replica of {args.model} "
           "(the infinite bound)", file=sys.stderr)
+    same = shlex.split(args.replica_args)  # e.g. --snapshot-interval-blocks: same rules
     infinite = model_bounds.replay(ordered, args.model, model_bounds.never_evicting_pages(
-        ordered, tpb, n_pools), tpb, log_dir)
+        ordered, tpb, n_pools), tpb, log_dir, same)
     working_set = [p["block_pages"] for p in infinite.pools]
     if args.cache_pressure is not None:
         floors = [_floor(p["life_cycle"], ordered, tpb) for p in infinite.pools]
@@ -166,7 +167,8 @@ def _model_pages(args: argparse.Namespace, requests, config: DriverConfig, log_d
         print("replaying them through one sim replica with every replica's pages (the pooled "
               "bound)", file=sys.stderr)
         pooled = model_bounds.replay(ordered, args.model, [n * args.replicas
-                                                           for n in per_pool], tpb, log_dir)
+                                                           for n in per_pool], tpb, log_dir,
+                                     same)
         return {"pooled": pooled.hit_rate, "infinite": infinite.hit_rate,
                 "working_set_pages": dict(zip([p["life_cycle"] for p in infinite.pools],
                                               working_set))}
