@@ -21,7 +21,9 @@ its parameters:
   multi-token-prediction layers of Qwen3-Next), which transformers drops too;
 - ``checkpoint_tensor(param)`` (optional): ``(stored names, combine)`` for a parameter that
   is not stored under its own name: ``combine(*tensors)`` builds it from those tensors
-  (a fused or split projection, MXFP4 blocks and scales). Default: ``((param,), None)``;
+  (a fused or split projection, MXFP4 blocks and scales, experts stored one by one stacked
+  into one tensor: then one parameter's parts are in memory at once, besides the model).
+  Default: ``((param,), None)``;
 - ``TENSOR_ALIASES``: ``(pattern, replacement)`` pairs (``re`` syntax, whole names): where
   a stored name a parameter needs is not in the checkpoint, the first alias that maps it
   onto a name the checkpoint has is read instead (one family's checkpoints naming a
@@ -148,9 +150,16 @@ def _combined(files: dict[str, Path], name: str, stored: tuple[str, ...], combin
               shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A parameter built from several stored tensors (read in their own dtype)."""
     parts = [_read(files[s], s, None, None, device) for s in stored]
-    tensor = combine(*parts)
+    sources = ", ".join(stored) if len(stored) <= 4 else \
+        f"{stored[0]} .. {stored[-1]} ({len(stored)} tensors)"
+    try:
+        tensor = combine(*parts)
+    except (CheckpointError, RuntimeError, ValueError) as exc:  # e.g. misshapen experts
+        raise CheckpointError(f"{files[stored[0]]}: {sources} cannot make {name}: {exc}"
+                              ) from None
+    del parts
     if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"{files[stored[0]]}: {', '.join(stored)} make {name} of shape "
+        raise CheckpointError(f"{files[stored[0]]}: {sources} make {name} of shape "
                               f"{list(tensor.shape)}, config.json implies {list(shape)}")
     return tensor.to(dtype)
 

@@ -2,9 +2,12 @@
 
 A hybrid: ``layer_types`` mixes Gated DeltaNet layers (``linear_attention``; by default
 three of every four) with gated softmax attention (``full_attention``). Module names follow
-the checkpoints' (``model.layers.0.linear_attn.in_proj_qkvz``, ``model.layers.3.self_attn``,
-``model.layers.0.mlp.experts.7.gate_proj``), so a safetensors file loads name for name; the
-multi-token-prediction tensors (``mtp.*``) are not used (transformers drops them too).
+the checkpoints' (``model.layers.0.linear_attn.in_proj_qkvz``, ``model.layers.3.self_attn``),
+so a safetensors file loads name for name, but for the routed experts: stored one by one
+(``model.layers.0.mlp.experts.7.gate_proj.weight``), they are stacked at load into
+``mlp.experts.gate_up_proj`` / ``down_proj`` as transformers holds them
+(``checkpoint_tensor``). The multi-token-prediction tensors (``mtp.*``) are not used
+(transformers drops them too).
 
 Gated DeltaNet (``GatedDeltaNet``), per token t and value head h::
 
@@ -30,12 +33,14 @@ side by side; q and k get a zero-centred RMSNorm per head, RoPE turns only the f
 
 Every norm but the DeltaNet output norm scales by ``1 + weight`` (weights stored
 zero-centred). The MLP is a sparse MoE (softmax router, top-k, optionally renormalised,
-plus a shared expert behind a sigmoid gate) except in ``mlp_only_layers`` and layers off
-the ``decoder_sparse_step`` grid, which have a dense SwiGLU MLP.
+plus a shared expert behind a sigmoid gate; the routed experts in two grouped matmuls,
+``moe.py``) except in ``mlp_only_layers`` and layers off the ``decoder_sparse_step`` grid,
+which have a dense SwiGLU MLP.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +50,12 @@ from torch import Tensor, nn
 
 from .base import AttentionSpec, MixerContext, ModelSpec, RecurrentSpec, StateSpec
 from .config import CheckpointError, _Fields
+from .moe import routed_experts, stacked_sources, swiglu
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
 CHUNK = 64  # tokens per chunk of the chunked delta rule (transformers' chunk_size)
+_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
 # --------------------------------------------------------------------------- config
@@ -468,6 +475,24 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """The routed experts' weights stacked as transformers' ``Qwen3NextExperts`` holds them:
+    ``gate_up_proj [E, 2I, D]`` (each expert's gate rows, then its up rows) and
+    ``down_proj [E, D, I]``, built at load from the checkpoint's per-expert
+    ``experts.<e>.{gate,up,down}_proj.weight`` (``Qwen3NextForCausalLM.checkpoint_tensor``).
+    Run with grouped matmuls (``moe.routed_experts``), as transformers' default
+    ``grouped_mm`` experts."""
+
+    def __init__(self, args: Qwen3NextArgs) -> None:
+        super().__init__()
+        e, d, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        return routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj, swiglu)
+
+
 class SparseMoeBlock(nn.Module):
     """Routed experts (softmax over ``gate``'s logits in float32, top-k, renormalised when
     ``norm_topk_prob``) plus a shared expert scaled by ``sigmoid(shared_expert_gate)``."""
@@ -477,8 +502,7 @@ class SparseMoeBlock(nn.Module):
         d = args.hidden_size
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = nn.Linear(d, args.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(MLP(d, args.moe_intermediate_size)
-                                     for _ in range(args.num_experts))
+        self.experts = Experts(args)
         self.shared_expert = MLP(d, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(d, 1, bias=False)
 
@@ -488,12 +512,7 @@ class SparseMoeBlock(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for expert in chosen.unique().tolist():
-            tokens, slot = torch.where(chosen == expert)
-            y = self.experts[expert](x[tokens]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, y.to(out.dtype))
+        out = self.experts(x, chosen, weights.to(logits.dtype))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared
 
@@ -564,6 +583,17 @@ class Qwen3NextForCausalLM(nn.Module):
     @staticmethod
     def parse_config(raw: dict[str, Any], source: str = "config.json") -> Qwen3NextArgs:
         return parse_qwen3_next_config(raw, source)
+
+    def checkpoint_tensor(self, name: str) -> tuple[tuple[str, ...], Any]:
+        """The stacked experts' ``gate_up_proj`` / ``down_proj``: from the per-expert
+        ``experts.<e>.gate_proj`` and ``up_proj`` (stacked, then concatenated) /
+        ``down_proj`` weights, as checkpoints (and transformers' ``save_pretrained``) store
+        them."""
+        match = _EXPERTS.fullmatch(name)
+        if match is None:
+            return (name,), None
+        projections = ("gate_proj", "up_proj") if match[2] == "gate_up_proj" else ("down_proj",)
+        return stacked_sources(match[1], projections, self.args.num_experts)
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:

@@ -118,17 +118,38 @@ def test_bfloat16_keeps_the_states_in_float32(checkpoint):
 
 def test_checkpoint_names_are_the_parameter_names_and_mtp_is_ignored(checkpoint, other,
                                                                      tmp_path):
-    directory, _ = checkpoint(VARIANT)
+    """Every stored tensor is read: under its parameter's name, but for the experts, stored
+    one by one (as save_pretrained writes them) and stacked at load into transformers'
+    in-memory parameters (gate_up_proj [E, 2I, D]: gate rows, then up rows; down_proj)."""
+    directory, hf = checkpoint(VARIANT)
     model = load_checkpoint(directory)
-    stored = set(load_file(directory / "model.safetensors"))
-    assert set(dict(model.named_parameters())) == stored  # experts.<e>.<proj> as stored
+    stored = load_file(directory / "model.safetensors")
+    read = [s for name, _ in model.named_parameters() for s in model.checkpoint_tensor(name)[0]]
+    assert sorted(read) == sorted(stored)
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in stored
+    params = dict(model.named_parameters())
+    assert set(params) == set(dict(hf.named_parameters()))
+    for name, p in hf.named_parameters():
+        assert torch.equal(params[name], p), name
+    gate_up = params["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(gate_up[3, :32], stored["model.layers.0.mlp.experts.3.gate_proj.weight"])
+    assert torch.equal(gate_up[3, 32:], stored["model.layers.0.mlp.experts.3.up_proj.weight"])
     load_checkpoint(other[0])  # its mtp.fc.weight is ignored, as transformers ignores it
     tensors = load_file(other[0] / "model.safetensors")
     tensors["model.layers.0.mlp.experts.9.up_proj.weight"] = torch.zeros(32, 64)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((other[0] / "config.json").read_text())
     with pytest.raises(CheckpointError, match="unexpected tensor .*experts.9.up_proj"):
+        load_checkpoint(tmp_path)
+    del tensors["model.layers.0.mlp.experts.9.up_proj.weight"]  # (layer 0 has no MoE)
+    tensors["model.layers.1.mlp.experts.2.up_proj.weight"] = torch.zeros(31, 64)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="cannot make model.layers.1.mlp.experts."
+                                              "gate_up_proj.*one shape"):
+        load_checkpoint(tmp_path)
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="experts.2.up_proj.weight is missing"):
         load_checkpoint(tmp_path)
 
 
@@ -144,8 +165,8 @@ def test_which_layers_have_a_sparse_moe_as_transformers_builds_them():
                     for layer in hf.model.layers]
         assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] \
             == expected, changes
-        assert ({n: p.shape for n, p in ours.named_parameters() if ".experts." not in n}
-                == {n: p.shape for n, p in hf.named_parameters() if ".experts." not in n})
+        assert ({n: p.shape for n, p in ours.named_parameters()}
+                == {n: p.shape for n, p in hf.named_parameters()})
 
 
 # -- config.json ------------------------------------------------------------------------
