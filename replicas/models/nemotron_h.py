@@ -20,10 +20,12 @@ attention, ``-`` MLP, ``E`` MoE):
                       non-gated experts (optionally through a latent projection), plus one
                       shared expert: no cache.
 
-Module names follow the checkpoints (``backbone.layers.3.mixer.in_proj``, experts one by
-one as ``mixer.experts.5.up_proj``: the names transformers' ``save_pretrained`` writes and
-NVIDIA's checkpoints carry; transformers renames them to ``model.`` and stacks the experts
-on load).
+Module names follow the checkpoints (``backbone.layers.3.mixer.in_proj``: the names
+transformers' ``save_pretrained`` writes and NVIDIA's checkpoints carry; transformers
+renames them to ``model.``), but for the routed experts: stored one by one
+(``mixer.experts.5.up_proj.weight``), they are stacked at load into ``mixer.experts.up_proj``
+/ ``down_proj`` as transformers stacks them (``checkpoint_tensor``), and run in two grouped
+matmuls (``moe.py``).
 
 Where this departs from transformers, on purpose:
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +54,7 @@ from torch import Tensor, nn
 
 from .base import AttentionSpec, MixerContext, ModelSpec, RecurrentSpec, StateSpec
 from .config import CheckpointError, _Fields
+from .moe import routed_experts, stacked_sources
 
 ARCHITECTURE = "NemotronHForCausalLM"
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
@@ -66,6 +70,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {  # transformers' ACT2FN, 
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 # transformers' NemotronHConfig takes these older names and lets them win.
+_EXPERTS = re.compile(r"(backbone\.layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)")
 ALIASES = {"n_groups": "mamba_n_groups", "conv_kernel": "mamba_d_conv",
            "time_step_min": "mamba_dt_min", "time_step_limit": "mamba_dt_limit",
            "use_conv_bias": "mamba_conv_bias", "chunk_size": "mamba_chunk_size"}
@@ -479,14 +484,25 @@ class NemotronHMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class NemotronHExpert(nn.Module):
-    """One routed expert, non-gated: down(act(up(x)))."""
+class NemotronHExperts(nn.Module):
+    """The routed experts, non-gated (``down(act(up(x)))``), their weights stacked as
+    transformers' ``NemotronHExperts`` holds them: ``up_proj [E, I, W]``, ``down_proj
+    [E, W, I]`` (W: ``moe_latent_size`` or the hidden size), built at load from the
+    checkpoint's per-expert ``experts.<e>.{up,down}_proj.weight``
+    (``NemotronHForCausalLM.checkpoint_tensor``). Run with grouped matmuls
+    (``moe.routed_experts``), as transformers' default ``grouped_mm`` experts."""
 
     def __init__(self, args: NemotronHArgs) -> None:
         super().__init__()
-        width = args.moe_latent_size or args.hidden_size
-        self.up_proj = nn.Linear(width, args.moe_intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.moe_intermediate_size, width, bias=False)
+        e, width = args.n_routed_experts, args.moe_latent_size or args.hidden_size
+        self.up_proj = nn.Parameter(torch.empty(e, args.moe_intermediate_size, width))
+        self.down_proj = nn.Parameter(torch.empty(e, width, args.moe_intermediate_size))
+        self.act = ACTIVATIONS[args.mlp_hidden_act]
+
+    def forward(self, h: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """Each token's outputs weighted by its float32 weights and summed in float32 (as
+        transformers), returned in ``h``'s dtype."""
+        return routed_experts(h, experts, weights, self.up_proj, self.down_proj, self.act)
 
 
 class NemotronHTopkRouter(nn.Module):
@@ -525,9 +541,8 @@ class NemotronHMoE(nn.Module):
     def __init__(self, args: NemotronHArgs) -> None:
         super().__init__()
         self.gate = NemotronHTopkRouter(args)
-        self.experts = nn.ModuleList(NemotronHExpert(args) for _ in range(args.n_routed_experts))
+        self.experts = NemotronHExperts(args)
         self.shared_experts = NemotronHMLP(args, args.moe_shared_expert_intermediate_size)
-        self.act = ACTIVATIONS[args.mlp_hidden_act]
         if args.moe_latent_size is not None:
             self.fc1_latent_proj = nn.Linear(args.hidden_size, args.moe_latent_size,
                                              bias=args.mlp_bias)
@@ -538,15 +553,8 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         experts, weights = self.gate(x)
-        h = self.fc1_latent_proj(x)
-        # expert by expert, in order, each token's outputs summed in float32 (as transformers)
-        routed = torch.zeros(h.shape, dtype=weights.dtype, device=h.device)
-        for e in experts.unique().tolist():
-            tokens, slot = torch.where(experts == e)
-            expert = self.experts[e]
-            out = expert.down_proj(self.act(expert.up_proj(h[tokens])))
-            routed.index_add_(0, tokens, (out * weights[tokens, slot, None]).to(routed.dtype))
-        return self.fc2_latent_proj(routed.to(h.dtype)) + self.shared_experts(x)
+        routed = self.experts(self.fc1_latent_proj(x), experts, weights)
+        return self.fc2_latent_proj(routed) + self.shared_experts(x)
 
 
 MIXERS = {MAMBA: NemotronHMamba2Mixer, ATTENTION: NemotronHAttention}
@@ -606,6 +614,15 @@ class NemotronHForCausalLM(nn.Module):
         self.spec = ModelSpec(tuple(specs.get(kind) for kind in args.layer_types),
                               max_model_len=args.max_position_embeddings,
                               vocab_size=args.vocab_size, dtype=dtype)
+
+    def checkpoint_tensor(self, name: str) -> tuple[tuple[str, ...], Any]:
+        """The stacked experts' ``up_proj`` / ``down_proj``: from the per-expert
+        ``experts.<e>.up_proj.weight`` / ``down_proj.weight``, stacked, as checkpoints (and
+        transformers' ``save_pretrained``) store them."""
+        match = _EXPERTS.fullmatch(name)
+        if match is None:
+            return (name,), None
+        return stacked_sources(match[1], (match[2],), self.args.n_routed_experts)
 
     def tie_weights(self) -> None:
         """Nothing to tie: transformers' NemotronH keeps ``lm_head`` apart (see above)."""

@@ -287,6 +287,27 @@ def test_moe_routing_equals_transformers_router(corrected_moe):
     torch.testing.assert_close(logits[0], hf_logits(hf, prompt)[-1], atol=ATOL, rtol=0)
 
 
+def test_experts_are_stacked_at_load_and_the_block_is_transformers(corrected_moe):
+    """The per-expert tensors save_pretrained writes are all read, stacked into
+    transformers' in-memory experts (up_proj [E, I, W], down_proj [E, W, I]); the MoE block
+    (router, latent projections, grouped experts, shared expert) gives transformers' bits."""
+    directory, hf = corrected_moe
+    ours = load_checkpoint(directory)
+    stored = load_file(directory / "model.safetensors")
+    read = [s for name, _ in ours.named_parameters() for s in ours.checkpoint_tensor(name)[0]]
+    assert sorted(read) == sorted(stored)
+    experts, theirs = ours.backbone.layers[1].mixer.experts, hf.model.layers[1].mixer.experts
+    assert experts.up_proj.shape == (8, 32, 32) and experts.down_proj.shape == (8, 32, 32)
+    assert torch.equal(experts.up_proj, theirs.up_proj)
+    assert torch.equal(experts.down_proj, theirs.down_proj)
+    assert torch.equal(experts.up_proj[5],
+                       stored["backbone.layers.1.mixer.experts.5.up_proj.weight"])
+    torch.manual_seed(2)
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        assert torch.equal(ours.backbone.layers[1].mixer(x), hf.model.layers[1].mixer(x[None])[0])
+
+
 def test_the_router_loads_in_float32_in_a_bfloat16_model(corrected_moe):
     """transformers keeps gate.weight and e_score_correction_bias in float32
     (_keep_in_fp32_modules_strict): so does the loader (FLOAT32_PARAMETERS)."""
