@@ -14,7 +14,8 @@ What sets it apart from Llama:
   ``num_local_experts`` experts per token, weighted by a softmax over the chosen logits;
   each expert is a clamped SwiGLU with biases, its gate and up projections fused and
   interleaved (``gate_up_proj[..., 0::2]`` gate, ``[..., 1::2]`` up), stored as transformers
-  stores them (``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]`` and their biases);
+  stores them (``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]`` and their biases); the
+  experts run in two grouped matmuls (``moe.py``), as transformers' default;
 - MXFP4 checkpoints (``quantization_config.quant_method`` "mxfp4", the released ones): the
   experts' projections are stored as ``*_blocks`` (two FP4 E2M1 values a byte, 32 a block)
   and ``*_scales`` (an E8M0 exponent a block) and dequantized at load
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 
 from .base import AttentionSpec, MixerContext, ModelSpec
 from .config import LAYER_TYPES, CheckpointError, _Fields
+from .moe import routed_experts
 
 ARCHITECTURE = "GptOssForCausalLM"
 ROPE_TYPES = ("default", "yarn")
@@ -380,20 +382,11 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """``x [T, D]``, each token's ``experts`` and ``weights [T, k]`` -> ``[T, D]``: the
-        weighted sum of its experts' outputs, added expert by expert in ascending order."""
-        k = experts.shape[1]
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        rows = order // k
-        out = torch.zeros_like(x)
-        for e, (tok, pair) in enumerate(zip(rows.split(counts), order.split(counts))):
-            if not counts[e]:
-                continue
-            h = self.gate(x[tok] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = h @ self.down_proj[e] + self.down_proj_bias[e]
-            out.index_add_(0, tok, (y * weights.flatten()[pair, None]).to(x.dtype))
-        return out
+        weighted sum of its experts' outputs, in two grouped matmuls over the experts
+        (``moe.routed_experts``), as transformers' default ``grouped_mm`` experts."""
+        return routed_experts(x, experts, weights, self.gate_up_proj, self.down_proj,
+                              self.gate, self.gate_up_proj_bias, self.down_proj_bias,
+                              transposed=True)
 
 
 class GptOssMLP(nn.Module):
