@@ -291,9 +291,11 @@ class PagedContext:
         return masks
 
     def read_states(self, layer: int) -> dict[str, Tensor]:
+        """Each item's states, a copy the mixer may update in place: one ``index_select``
+        of the live pages' rows (on the CPU faster than advanced indexing)."""
         pool, slot = self._engine.slots[layer]
         spec: RecurrentSpec = self._engine.pool_specs[pool]
-        rows = self._engine.storage[pool][self._live_pages(), slot]  # [B, numel], a copy
+        rows = torch.index_select(self._engine.storage[pool][:, slot], 0, self._live_pages())
         out, offset = {}, 0
         for state in spec.states:
             out[state.name] = rows[:, offset:offset + state.numel].view(-1, *state.shape)
@@ -301,14 +303,18 @@ class PagedContext:
         return out
 
     def write_states(self, layer: int, states: dict[str, Tensor]) -> None:
+        """Each state into its columns of the live pages' rows: an ``index_copy_`` per
+        state (no concatenated copy of them all first)."""
         pool, slot = self._engine.slots[layer]
         spec: RecurrentSpec = self._engine.pool_specs[pool]
         if set(states) != {s.name for s in spec.states}:
             raise ValueError(f"layer {layer}: write_states got {sorted(states)}, its spec "
                              f"has {[s.name for s in spec.states]}")
-        rows = torch.cat([states[s.name].reshape(len(self.bounds), s.numel).float()
-                          for s in spec.states], dim=1)
-        self._engine.storage[pool][:, slot].index_copy_(0, self._live_pages(), rows)
+        rows, live, offset = self._engine.storage[pool][:, slot], self._live_pages(), 0
+        for s in spec.states:
+            value = states[s.name].reshape(len(self.bounds), s.numel)
+            rows[:, offset:offset + s.numel].index_copy_(0, live, value.to(rows.dtype))
+            offset += s.numel
 
     def _live_pages(self) -> Tensor:
         if self._live is None:

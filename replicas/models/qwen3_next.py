@@ -343,14 +343,16 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
 
 def recurrent_gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                               state: Tensor) -> tuple[Tensor, Tensor]:
+                               state: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
     """One token of each of B sequences: float32 ``q``/``k [B, H, dk]`` (normalised, q
     scaled), ``v [B, H, dv]``, ``g``/``beta [B, H]``, ``state [B, H, dk, dv]`` -> outputs
-    ``[B, H, dv]``, the new states."""
-    state = state * g.exp()[..., None, None]
+    ``[B, H, dv]``, the new states (``inplace``: in ``state``'s memory; the same values,
+    two state-sized allocations fewer)."""
+    decay = g.exp()[..., None, None]
+    state = state.mul_(decay) if inplace else state * decay
     remembered = (state * k[..., None]).sum(dim=-2)
     delta = (v - remembered) * beta[..., None]
-    state = state + k[..., None] * delta[..., None, :]
+    state.add_(k[..., None] * delta[..., None, :])
     return (state * q[..., None]).sum(dim=-2), state
 
 
@@ -435,18 +437,23 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         states = ctx.read_states(self.layer)
         conv, rec = states["conv"], states["recurrent"]  # float32 [B, ...]: updated in place
-        core = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=torch.float32,
-                           device=x.device)
+        every = bool(rows.singles) and rows.single_items is None  # all items one token each
+        core = None if every else torch.empty(t, self.num_v_heads, self.head_v_dim,
+                                              dtype=torch.float32, device=x.device)
         if rows.singles:  # one token each, together: the recurrence
             r, items = rows.single_rows, rows.single_items
-            conv_out, conv_new = self.convolve(
-                mixed[r][:, :, None], conv if items is None else conv[items])
-            q, k, v, g_r, beta_r = self.heads(conv_out[:, :, 0], g[r], beta[r])
-            core[r], rec_new = recurrent_gated_delta_step(
-                q / self.head_k_dim ** 0.5, k, v, g_r, beta_r, rec if items is None else rec[items])
-            if items is None:
-                conv, rec = conv_new, rec_new
+            if every:  # their token rows are all the rows, in order: nothing to gather
+                m, g_r, beta_r, conv_in, rec_in = mixed, g, beta, conv, rec
             else:
+                m, g_r, beta_r, conv_in, rec_in = mixed[r], g[r], beta[r], conv[items], rec[items]
+            conv_out, conv_new = self.convolve(m[:, :, None], conv_in)
+            q, k, v, g_r, beta_r = self.heads(conv_out[:, :, 0], g_r, beta_r)
+            out, rec_new = recurrent_gated_delta_step(q / self.head_k_dim ** 0.5, k, v, g_r,
+                                                      beta_r, rec_in, inplace=True)
+            if every:
+                core, conv, rec = out, conv_new, rec_new
+            else:
+                core[r] = out
                 conv[items], rec[items] = conv_new.to(conv.dtype), rec_new
         for i in rows.runs:  # a prefill chunk: the chunked form
             start, end = ctx.bounds[i]
