@@ -12,8 +12,9 @@ order of the additions shows in the last bits). Two matmul calls a layer, where 
 the experts hit makes three linears, a gather and an ``index_add_`` per expert.
 
 Without ``torch.nn.functional.grouped_mm`` (torch < 2.10 has only ``torch._grouped_mm``,
-< 2.9 none on the CPU) each expert's rows go through ``torch.mm``, as transformers' fallback
-does: the same products.
+< 2.9 none on the CPU), or where its kernel refuses the operands (float64; a stride that is
+not a multiple of 16 bytes), each expert's rows go through ``torch.mm`` into their slice of
+the output, as transformers' fallback does.
 
 Weights, one ``[E, out, in]`` tensor per projection (``transposed``: ``[E, in, out]``), are
 stacked at load from the checkpoint's per-expert tensors: ``stacked_sources`` gives a
