@@ -129,6 +129,7 @@ def main(argv=None) -> int:
                 tables.append({"model": model, "workload": workload, "pressure": pressure,
                                "bounds": doc["bounds"], "kv_pages": doc["setup"]["kv_pages"],
                                "rows": [_row(r, doc["bounds"]) for r in doc["rows"]]})
+                _write(args, tables, [], started)  # what is done so far survives a stop
     intervals = []
     if not args.no_intervals and "qwen3-next" in args.models.split(","):
         for n in INTERVALS:
@@ -137,15 +138,21 @@ def main(argv=None) -> int:
                           "none", args, policies="prefix", peers="", replica_args=flag)
             intervals.append({"interval_blocks": n, **_row(doc["rows"][0], doc["bounds"]),
                               **snapshot_memory(doc, "prefix")})
+    result = _write(args, tables, intervals, started, complete=True)
+    print(markdown(result))
+    print(f"wrote {args.out} and its .md", file=sys.stderr)
+    return 0
+
+
+def _write(args, tables, intervals, started, complete: bool = False) -> dict:
     result = {"benchmark": "hybrid_clusters", "args": vars(args), "tables": tables,
-              "snapshot_interval": intervals, "seconds": time.perf_counter() - started}
+              "snapshot_interval": intervals, "complete": complete,
+              "seconds": time.perf_counter() - started}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out} and {out.with_suffix('.md')}", file=sys.stderr)
-    return 0
+    return result
 
 
 def _f(value, spec: str) -> str:
