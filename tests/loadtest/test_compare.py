@@ -97,17 +97,9 @@ def test_a_hybrid_model_cluster_with_its_bounds_and_pools_under_pressure(tmp_pat
     """--model: sim replicas of a tiny Qwen3-Next's config (3 recurrent layers : 1 attention
     layer); the forks workload; --cache-pressure sizes each pool from its working set,
     measured by replaying the workload through one sim replica that never evicts."""
-    import transformers
+    from tests.replicas.models.checkpoints import hybrid_config_dir
 
-    model = tmp_path / "qwen3-next"
-    transformers.Qwen3NextConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, max_position_embeddings=4096,
-        architectures=["Qwen3NextForCausalLM"]).save_pretrained(model)
+    model = hybrid_config_dir(tmp_path / "qwen3-next")
     out = subprocess.run(
         [sys.executable, "-m", "loadtest", "compare", "--workload", "forks", "--trees", "3",
          "--branches", "4", "--history-len", "300", "--branch-len", "20", "--output-len", "4",

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import transformers
-
 from bench._common import metric_sum
+from tests.replicas.models.checkpoints import hybrid_config_dir
 from tests.router.cluster import cluster
 
 TEXT = "the quick brown fox jumps over the lazy dog and keeps running far away " * 3
@@ -23,17 +22,7 @@ TEXT = "the quick brown fox jumps over the lazy dog and keeps running far away "
 
 @pytest.fixture(scope="module")
 def hybrid_config(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3-next-config")
-    transformers.Qwen3NextConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, max_position_embeddings=4096,
-        architectures=["Qwen3NextForCausalLM"],
-    ).save_pretrained(directory)
-    return directory
+    return hybrid_config_dir(tmp_path_factory.mktemp("qwen3-next-config"))
 
 
 @pytest.mark.parametrize("policy, expected, over", [("approx_prefix", 64, 64),

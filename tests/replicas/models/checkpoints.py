@@ -145,3 +145,17 @@ def save_checkpoint(variant: str, directory: Path, seed: int = 0, changes: dict 
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
     return model
+
+
+def hybrid_config_dir(directory: Path) -> Path:
+    """A config-only checkpoint (no weights, no tokenizer) of a tiny Qwen3-Next: 3
+    recurrent layers and 1 attention layer, for sim replicas of a hybrid model."""
+    transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=4096,
+        architectures=["Qwen3NextForCausalLM"]).save_pretrained(directory)
+    return directory
