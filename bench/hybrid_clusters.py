@@ -89,7 +89,8 @@ def compare(name: str, model: str, workload: str, pressure: str, args,
     started = time.perf_counter()
     print(f"== {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode not in (0, 1):  # 1: some request failed (the table says which)
+    if done.returncode not in (0, 1) or not (out / "compare.json").is_file():
+        # 1 with a table: some request failed (the table says which)
         raise SystemExit(f"{name}: loadtest compare failed ({done.returncode}):\n"
                          f"{done.stderr[-3000:]}")
     doc = json.loads((out / "compare.json").read_text())
