@@ -46,6 +46,8 @@ bench: setup
 
 bench-all: bench
 	$(PY) -m bench.hf_engine
+	$(PY) -m bench.hybrid_engine
+	$(PY) -m bench.hybrid_clusters
 	$(PY) -m bench.checkpoint_load
 	$(PY) -m bench.torch_ttft
 	$(PY) -m bench.replica_sim
