@@ -15,7 +15,7 @@ goes: the routed and the direct request do the same work on the replica.
    ``/proc/PID/stat``, all threads, before and after the timed run; it includes the
    router's 1 s health checks over that window), and p50/p90/p99 of the latency through
    the router, straight to the replica, and of the per-request difference (the router
-   overhead of ARCHITECTURE.md).
+   overhead as BENCHMARKS.md defines it).
 2. The SGLang model gateway (sglang-router, ``cache_aware``) in front of the same 8 replicas,
    same prompts: it does not say which replica it chose, so each request through it is
    followed by the same request straight to the replicas in turn (round robin); reported

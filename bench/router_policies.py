@@ -18,7 +18,7 @@ computed = prompt - cached, attributed by ``x-replica``), requests per replica, 
 and the replicas' prefill utilisation (prefill tokens computed / (replicas x 20k tokens/s x
 run time)): at the default rate round robin keeps it well below 1. For reference, the same
 request sequence fed to one LRU cache with all replicas' pages (pooled bound) and the share
-of prompt tokens that repeat an earlier prefix (infinite bound), as in ARCHITECTURE.md.
+of prompt tokens that repeat an earlier prefix (infinite bound), as BENCHMARKS.md defines them.
 
     .venv/bin/python -m bench.router_policies [--quick] [--policies prefix,round_robin]
 """

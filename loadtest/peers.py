@@ -16,7 +16,8 @@ interface (``vllm-router --worker-urls ... --policy cache_aware``: no ``launch``
 subcommand, the same ``/readiness``; ``--version`` is not an option: the installed version
 is read from the package metadata).
 
-Facts about sglang-router 0.3.2 that shape this helper (see also shared/PEERS.md):
+Facts about sglang-router 0.3.2 that shape this helper (BENCHMARKS.md, "Compatibility" and
+the peer columns, has what was measured with it):
 
 - The wheel's console scripts ``sglang-router``, ``smg`` and ``amg`` are one Python entry point
   (``sglang_router.cli:main``) that runs the Rust server in-process: one process to stop.

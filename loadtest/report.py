@@ -1,6 +1,6 @@
 """Reports of a load run: a documented JSON document and a readable table.
 
-Definitions follow ARCHITECTURE.md ("Definitions used by every benchmark"). Latencies are in
+Definitions follow BENCHMARKS.md ("Definitions used by every benchmark"). Latencies are in
 milliseconds; percentiles interpolate linearly between the closest ranks (numpy's default),
 so ``p50`` of ``[1, 2, 3, 4]`` is 2.5. A request is *completed* when its answer was HTTP 200
 and its stream ended with ``data: [DONE]`` and no error event; latency and token figures
