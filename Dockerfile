@@ -59,6 +59,7 @@ FROM base AS wheel
 COPY pyproject.toml README.md ./
 COPY kvcache/ kvcache/
 COPY wire/ wire/
+COPY text/ text/
 COPY replicas/ replicas/
 COPY router/ router/
 COPY loadtest/ loadtest/

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvcache import CacheConfig, FullAttention, KVCacheManager
 from loadtest.processes import ServerProcess
-from replicas.tokenizer import ByteTokenizer
+from text import ByteTokenizer
 
 from ._common import metric_sum, percentiles_ms, print_table, write_result
 from .router_overhead import dead, start_replica

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvcache import CacheConfig, FullAttention, KVCacheManager, ReuseScope
 from replicas.engines.sim import SimTiming
-from replicas.tokenizer import ByteTokenizer, ChatMessage
+from text import ByteTokenizer, ChatMessage
 from router.policies import Candidate, Policy, RouteRequest, block_keys, make_policy
 from wire.probe import LoadSnapshot
 

@@ -4,7 +4,7 @@ Every generator is deterministic: the same arguments (and seed) give the same re
 the same order. Generated text is ASCII (lowercase letters and spaces), so under the replicas'
 byte-level tokenizer one character is exactly one token; a completion prompt of ``n``
 characters is ``n + 1`` prompt tokens (the BOS). Chat requests add the chat template's tokens
-(``replicas/tokenizer.py``; ``Request.prompt_tokens`` counts them)::
+(``text/byte_level.py``; ``Request.prompt_tokens`` counts them)::
 
     tokens = 1 (BOS) + sum(len(role) + len(content) + 4 for each message) + 11
              # per message: <|im_start|> role \\n content <|im_end|> \\n
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from replicas.tokenizer import ByteTokenizer, ChatMessage
+from text import ByteTokenizer, ChatMessage
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz     "  # ~1 space in 6 characters: word-like text
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",

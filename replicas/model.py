@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from replicas.models.base import (AttentionSpec, MixerContext, ModelSpec, RecurrentSpec,
                                   StateSpec)
-from replicas.tokenizer import VOCAB_SIZE
+from text import VOCAB_SIZE
 
 
 TINY_LAYER_KINDS = ("full", "sliding", "recurrent")

@@ -35,7 +35,7 @@ from .metrics import ReplicaMetrics
 from .scheduler import QueueFull, Scheduler, SchedulerConfig
 from .sequence import FinishEvent, Sequence, TokenEvent
 from .settings import ReplicaSettings
-from .text import load_tokenizer
+from text import load_tokenizer
 
 log = logging.getLogger("replicas")
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import pybase64
 from pydantic import ValidationError
 
-from replicas.text import Tokenizer
+from text import Tokenizer
 
 from wire import jsonwire
 from wire.errors import APIError, invalid

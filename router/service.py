@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from replicas.text import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_wire
+from text import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_wire
 
 from wire import jsonwire
 from wire import tracing as otel

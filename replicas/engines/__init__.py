@@ -11,7 +11,7 @@ from .sim import SimEngine, SimTiming, text_alphabet
 
 if TYPE_CHECKING:
     from ..settings import ReplicaSettings
-    from ..text import Tokenizer
+    from text import Tokenizer
 
 __all__ = ["Engine", "SamplingParams", "SimEngine", "SimTiming", "StepItem", "make_engine",
            "text_alphabet"]

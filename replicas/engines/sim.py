@@ -37,7 +37,7 @@ from .base import Engine, StepItem
 
 if TYPE_CHECKING:
     from ..models.base import ModelSpec
-    from ..text import Tokenizer
+    from text import Tokenizer
     from .pools import PoolPlan
 
 KEYS_PER_UNIT = 4096  # an attention layer attending to this many keys costs one unit more

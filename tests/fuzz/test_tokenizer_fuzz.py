@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from replicas.tokenizer import (BOS, IM_END, IM_START, ROLES, SPECIAL_TOKENS, VOCAB_SIZE,
+from text import (BOS, IM_END, IM_START, ROLES, SPECIAL_TOKENS, VOCAB_SIZE,
                                 ByteTokenizer, ChatMessage, IncrementalDecoder)
 
 tok = ByteTokenizer()

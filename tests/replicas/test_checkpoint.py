@@ -242,7 +242,7 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_listeni
 
     llama3(tmp_path)
     save_checkpoint("llama", tmp_path)
-    from replicas.text import load_tokenizer
+    from text import load_tokenizer
 
     size = load_tokenizer(str(tmp_path)).vocab_size
     assert size > VOCAB

@@ -16,8 +16,8 @@ from replicas.engines import SimEngine, SimTiming, text_alphabet
 from replicas.engines.sim import CHARACTERS
 from replicas.service import ReplicaService
 from replicas.settings import ReplicaSettings, load_settings
-from replicas.text import HFTokenizer, tokenizer_from_wire
-from replicas.tokenizer import ByteTokenizer
+from text import HFTokenizer, tokenizer_from_wire
+from text import ByteTokenizer
 
 from . import hf_checkpoints as ckpt
 

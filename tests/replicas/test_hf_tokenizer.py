@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replicas.text import (ByteTokenizer, ChatMessage, HFTokenizer, tokenizer_from_wire)
-from replicas.text.chat_template import TemplateRefused
+from text import (ByteTokenizer, ChatMessage, HFTokenizer, tokenizer_from_wire)
+from text.chat_template import TemplateRefused
 
 from . import hf_checkpoints as ckpt
 

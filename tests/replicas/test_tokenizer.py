@@ -1,7 +1,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from replicas.tokenizer import (BOS, EOS, IM_END, IM_START, ByteTokenizer, ChatMessage,
+from text import (BOS, EOS, IM_END, IM_START, ByteTokenizer, ChatMessage,
                                 IncrementalDecoder)
 
 tok = ByteTokenizer()

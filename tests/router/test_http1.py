@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replicas.tokenizer import ByteTokenizer
+from text import ByteTokenizer
 from router.http1 import (_FRAMING_FIELDS, Client, ProtocolError, UpstreamClosed,
                           _Connection, _plain_length)
 from tests.procs import Proc

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from replicas.tokenizer import ByteTokenizer
+from text import ByteTokenizer
 from router.policies import (POLICIES, Candidate, RouteRequest, block_keys,
                              chain_keys, make_policy, text_keys)
 from router.policies.keys import remember, shared_units

@@ -1,17 +1,20 @@
 """Tokenizers behind one interface (``Tokenizer``): byte-level (the default, no files) and
-Hugging Face (tokenizer.json + chat template). The router imports this package; it needs
-``tokenizers``, ``jinja2`` and numpy, never torch."""
+Hugging Face (tokenizer.json + chat template). Shared by the replicas, the router and the
+load tests (the router imports nothing from ``replicas``); it needs ``tokenizers``, ``jinja2``
+and numpy, never torch."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .base import ChatMessage, Detokenizer, Tokenizer, le32, utf8
-from .byte_level import ByteTokenizer, IncrementalDecoder
+from .byte_level import (BOS, EOS, IM_END, IM_START, ROLES, SPECIAL_TOKENS, TEMPLATE_VERSION,
+                         VOCAB_SIZE, ByteTokenizer, IncrementalDecoder)
 from .hf import HFDetokenizer, HFTokenizer, TokenizerFiles
 
-__all__ = ["ByteTokenizer", "ChatMessage", "Detokenizer", "HFDetokenizer", "HFTokenizer",
-           "IncrementalDecoder", "Tokenizer", "TokenizerFiles", "le32", "load_tokenizer",
+__all__ = ["BOS", "EOS", "IM_END", "IM_START", "ROLES", "SPECIAL_TOKENS", "TEMPLATE_VERSION",
+           "VOCAB_SIZE", "ByteTokenizer", "ChatMessage", "Detokenizer", "HFDetokenizer",
+           "HFTokenizer", "IncrementalDecoder", "Tokenizer", "TokenizerFiles", "le32", "load_tokenizer",
            "tokenizer_from_wire", "utf8"]
 
 
