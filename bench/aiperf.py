@@ -1,4 +1,5 @@
-"""NVIDIA AIPerf, a load generator for OpenAI-compatible endpoints (``pip install aiperf==0.13.0``), against our
+"""NVIDIA AIPerf, a load generator for OpenAI-compatible endpoints
+(``pip install aiperf==0.13.0``), against our
 router, unchanged: does every request of every mode succeed, and do its figures agree with
 our answers?
 

@@ -15,7 +15,8 @@ modelled rather than run (so that 10^5 requests finish in seconds):
   the head of the queue while they cannot be found) and released when it finishes; the
   prompt's blocks become reusable when its prefill ends, the output's at the end.
 
-Bounds (BENCHMARKS.md, "Definitions"): the *pooled* bound replays the same requests, in arrival order,
+Bounds (BENCHMARKS.md, "Definitions"): the *pooled* bound replays the same requests, in
+arrival order,
 through one cache holding every replica's pages; the *infinite* bound through a cache that
 never evicts.
 """

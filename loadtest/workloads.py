@@ -164,9 +164,9 @@ def forks(trees: int, branches: int, history_len: int, branch_len: int, output_l
     Tree ``t`` has a random history of ``history_len`` characters, sent first on its own
     (``t{t}-root``); then each of its ``branches`` cuts that history at a point drawn
     uniformly past its first quarter (some branches share nearly all of it, some a quarter)
-    and appends ``branch_len`` new characters (``t{t}-b{b}``). A branch point falls anywhere, mostly inside a block: the
-    attention layers can reuse up to it, recurrent layers only up to the last snapshot
-    before it (a block boundary where a prefill stopped, or a branch point an earlier
+    and appends ``branch_len`` new characters (``t{t}-b{b}``). A branch point falls
+    anywhere, mostly inside a block: the attention layers can reuse up to it, recurrent
+    layers only up to the last snapshot before it (a block boundary where a prefill stopped, or a branch point an earlier
     branch left). Completions (``prompt``), ``max_tokens = output_len``, ``group`` is the
     tree. All roots come first (in a seeded order), then every branch, shuffled across
     trees; a branch is no session (branches of one tree arrive concurrently, as an agent's

@@ -14,8 +14,8 @@ from .hf import HFDetokenizer, HFTokenizer, TokenizerFiles
 
 __all__ = ["BOS", "EOS", "IM_END", "IM_START", "ROLES", "SPECIAL_TOKENS", "TEMPLATE_VERSION",
            "VOCAB_SIZE", "ByteTokenizer", "ChatMessage", "Detokenizer", "HFDetokenizer",
-           "HFTokenizer", "IncrementalDecoder", "Tokenizer", "TokenizerFiles", "le32", "load_tokenizer",
-           "tokenizer_from_wire", "utf8"]
+           "HFTokenizer", "IncrementalDecoder", "Tokenizer", "TokenizerFiles", "le32",
+           "load_tokenizer", "tokenizer_from_wire", "utf8"]
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:

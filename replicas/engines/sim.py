@@ -10,7 +10,10 @@ engine); only the model's compute is replaced by sleeping for the time it would 
 
 ``prefill_tokens`` counts only the tokens actually computed, so reuse shortens the step:
 that is the effect the router exploits. ``speedup`` scales every cost (load tests run
-faster than real time).
+faster than real time). Sampled tokens are lowercase letters and spaces from a per-sequence
+generator (seeded by ``seed`` when given), so outputs are valid text and reproducible: the
+ids of those characters under the replica's tokenizer (``text_alphabet``), byte-level
+unless ``--tokenizer`` names another.
 
 With a model's layer specs (``--engine sim --model DIR``: the checkpoint's config, never its
 weights) the sim replica has that model's pools and reuse rules (``pools.PoolPlan``: the
@@ -18,10 +21,7 @@ torch engine's) and charges each layer kind its own cost per computed token: eve
 one unit (projections, MLP), an attention layer also one unit per ``KEYS_PER_UNIT`` keys it
 attends to (all earlier tokens, or its window), a recurrent layer nothing more (its state
 is of fixed size). ``prefill_tokens_per_s`` is then the rate of short prompts (keys cost
-nothing yet), and a decode step's per-sequence cost grows likewise with what it attends. Sampled tokens are lowercase letters and spaces from a per-sequence
-generator (seeded by ``seed`` when given), so outputs are valid text and reproducible: the
-ids of those characters under the replica's tokenizer (``text_alphabet``), byte-level
-unless ``--tokenizer`` names another.
+nothing yet), and a decode step's per-sequence cost grows likewise with what it attends.
 """
 
 from __future__ import annotations
