@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bench._common import print_table, write_result
 from bench.hf_engine import Ours, Theirs
+from replicas.kv_sizing import page_bytes
 
 VOCAB = 32000
 QUICK_VOCAB = 4000
@@ -150,19 +151,11 @@ def measure(directory: Path, family: str, args) -> dict:
                  "resumed_s": statistics.median(resumed),
                  "uncached_s": statistics.median(uncached), "reused_tokens": reused})
     layouts = ours.engine.page_layouts()
-    sizes = {name: _bytes(layout) for name, layout in zip(ours.engine.pool_names(), layouts)}
+    sizes = {name: page_bytes([layout])
+             for name, layout in zip(ours.engine.pool_names(), layouts)}
     return {"rows": rows, "page_bytes": sizes,
             "snapshot_bytes_per_sequence": sizes.get("recurrent", 0),
             "pools": ours.engine.pool_names(), "layers": ours.engine.describe()["layers"]}
-
-
-def _bytes(layout) -> int:
-    import math
-
-    import torch
-
-    return math.prod(layout.shape) * torch.empty((), dtype=getattr(torch, layout.dtype)
-                                                 ).element_size()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,12 +70,18 @@ def replay(requests: Sequence[Request], model: str, pages: Sequence[int],
     return ModelBound(cached / prompt if prompt else 0.0, prompt, cached, pools)
 
 
+def tokens_at_most(req: Request) -> int:
+    """An upper estimate of a request's prompt and answer tokens: a character a token (the
+    byte-level tokenizer's count; subword tokenizers make fewer), plus the template's."""
+    return (len(req.prompt or "") + sum(len(m["content"]) + 16 for m in req.messages or ())
+            + req.max_tokens + 32)
+
+
 def never_evicting_pages(requests: Sequence[Request], tokens_per_block: int,
                          num_pools: int) -> list[int]:
     """Pages enough in every pool that nothing is ever evicted: every block of every
-    prompt and answer (a generous overestimate: byte-level tokens, plus the template)."""
-    tokens = sum(len(r.prompt or "") + sum(len(m["content"]) + 16 for m in r.messages or ())
-                 + r.max_tokens + 32 for r in requests)
+    prompt and answer."""
+    tokens = sum(tokens_at_most(r) for r in requests)
     return [tokens // tokens_per_block + 2 * len(requests) + 16] * num_pools
 
 

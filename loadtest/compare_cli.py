@@ -183,6 +183,4 @@ def _floor(life_cycle: str, requests, tokens_per_block: int) -> int:
     if life_cycle.startswith("sliding_window("):
         window = int(life_cycle.removeprefix("sliding_window(").split(")")[0].split(",")[0])
         return window // tokens_per_block + 2
-    longest = max(len(r.prompt or "") + sum(len(m["content"]) + 16 for m in r.messages or ())
-                  + r.max_tokens + 32 for r in requests)
-    return longest // tokens_per_block + 2
+    return max(map(model_bounds.tokens_at_most, requests)) // tokens_per_block + 2
